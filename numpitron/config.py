@@ -1,0 +1,127 @@
+"""Configuration dataclasses and their validation.
+
+Every check here runs identically on every rank before any communication, so a bad
+configuration becomes one error message and never a hang.
+"""
+
+from dataclasses import asdict, dataclass, fields
+
+from numpitron.errors import UserError
+
+DTYPES = ("float32", "float64")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 65
+    seq_len: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    d_model: int = 128
+    dtype: str = "float32"
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def validate(self) -> "ModelConfig":
+        _positive(self, "vocab_size", "seq_len", "n_layers", "n_heads", "d_model")
+        if self.d_model % self.n_heads:
+            raise UserError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.dtype not in DTYPES:
+            raise UserError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        return self
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor: int = 1
+    pipeline: int = 1
+    data: int = 1
+    schedule: str = "1f1b"   # "gpipe" or "1f1b"; only matters when pipeline > 1
+    zero_stage: int = 0
+    bucket_size: int = 1 << 20  # elements per data-parallel gradient all-reduce
+
+    def validate(self, model: ModelConfig) -> "ParallelConfig":
+        _positive(self, "tensor", "pipeline", "data", "bucket_size")
+        if self.schedule not in ("gpipe", "1f1b"):
+            raise UserError(f"unknown pipeline schedule {self.schedule!r}; choose gpipe or 1f1b")
+        if self.zero_stage not in (0, 1):
+            raise UserError(f"zero stage must be 0 or 1, got {self.zero_stage}")
+        if model.n_heads % self.tensor:
+            raise UserError(f"n_heads ({model.n_heads}) must be divisible by the tensor-parallel size ({self.tensor})")
+        if (4 * model.d_model) % self.tensor:
+            raise UserError(f"the MLP width 4*d_model ({4 * model.d_model}) must be divisible by the tensor-parallel size ({self.tensor})")
+        if model.n_layers % self.pipeline:
+            raise UserError(f"n_layers ({model.n_layers}) must be divisible by the pipeline-parallel size ({self.pipeline})")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor * self.pipeline * self.data
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    micro_batch_size: int = 12
+    global_batch_size: int = 0          # 0: micro_batch_size * data-parallel size
+    max_iters: int = 2000
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_iters: int = 100
+    lr_decay_iters: int = 0             # 0: max_iters
+    beta1: float = 0.9
+    beta2: float = 0.99
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0              # 0 disables clipping
+    eval_interval: int = 250
+    eval_iters: int = 200
+    log_interval: int = 10
+    save_interval: int = 0              # 0: only on improvement and at the end
+    keep_checkpoints: int = 2
+    seed: int = 1337
+
+    def validate(self) -> "TrainConfig":
+        _positive(self, "micro_batch_size", "max_iters", "eval_interval", "eval_iters", "log_interval", "keep_checkpoints")
+        _non_negative(self, "global_batch_size", "warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip", "save_interval", "min_lr")
+        if not self.lr > 0:
+            raise UserError(f"lr must be positive, got {self.lr}")
+        if self.min_lr > self.lr:
+            raise UserError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        return self
+
+    def num_microbatches(self, data_parallel: int) -> int:
+        """Megatron's semantics: micro-batches per dp rank are the accumulation steps."""
+        global_batch = self.global_batch_size or self.micro_batch_size * data_parallel
+        per_step = self.micro_batch_size * data_parallel
+        if global_batch % per_step:
+            raise UserError(
+                f"global batch size ({global_batch}) must be divisible by micro batch size "
+                f"x data-parallel size ({self.micro_batch_size} x {data_parallel})")
+        return global_batch // per_step
+
+    def global_batch(self, data_parallel: int) -> int:
+        return self.global_batch_size or self.micro_batch_size * data_parallel
+
+
+def _positive(cfg, *names):
+    for name in names:
+        if not getattr(cfg, name) > 0:
+            raise UserError(f"{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+
+
+def _non_negative(cfg, *names):
+    for name in names:
+        if getattr(cfg, name) < 0:
+            raise UserError(f"{name.replace('_', '-')} must not be negative, got {getattr(cfg, name)}")
+
+
+def to_dict(cfg) -> dict:
+    return asdict(cfg)
+
+
+def from_dict(cls, values: dict):
+    """Build a config from a saved dict, ignoring keys a newer version dropped."""
+    known = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in known})

@@ -1,0 +1,1 @@
+"""Tiny Shakespeare preparation, the character tokenizer and batch sampling."""

@@ -1,0 +1,1 @@
+"""Process mesh, collectives and sharding bounds."""

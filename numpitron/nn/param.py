@@ -1,0 +1,121 @@
+"""Parameters that know their logical name, shape and tensor-parallel split,
+living as views into one flat buffer per pipeline stage.
+
+The flat buffers are what make the parallel machinery simple: data parallelism
+all-reduces a few large slices of the gradient buffer, ZeRO-1 hands each rank one
+contiguous slice of it, and AdamW is a single vectorised update over the whole
+buffer (or a slice). Checkpoints and gradient norms are generic over `Param`.
+"""
+
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from numpitron.distributed.sharding import shard_bounds
+
+
+@dataclass(eq=False)
+class Param:
+    """One logical parameter; `data` and `grad` hold this rank's slice.
+
+    full_shape is the shape that is split over tp (the vocabulary padded to a
+    multiple of tp); logical_shape is the real tensor, saved in checkpoints and drawn
+    at initialisation, the padding being zeros that never receive gradient.
+    """
+
+    name: str
+    full_shape: tuple
+    split_axis: int | None = None      # tensor-parallel split axis; None = replicated
+    init: str = "normal"               # "normal", "zeros" or "ones"
+    std: float = 0.02
+    decay: bool = True                 # AdamW weight decay (matrices and embeddings)
+    logical_shape: tuple | None = None
+    in_norm: bool = True               # False for copies counted elsewhere (tied head)
+    tp_rank: int = 0
+    tp_size: int = 1
+    data: np.ndarray = field(default=None, repr=False)
+    grad: np.ndarray = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self.full_shape = tuple(self.full_shape)
+        self.logical_shape = tuple(self.logical_shape or self.full_shape)
+
+    def tp_slice(self) -> tuple:
+        """Index of this rank's shard within the full (padded) tensor."""
+        index = [slice(None)] * len(self.full_shape)
+        if self.split_axis is not None:
+            start, stop = shard_bounds(self.full_shape[self.split_axis], self.tp_size, self.tp_rank)
+            index[self.split_axis] = slice(start, stop)
+        return tuple(index)
+
+    @property
+    def local_shape(self) -> tuple:
+        return tuple(len(range(*s.indices(n))) for s, n in zip(self.tp_slice(), self.full_shape))
+
+    def draw_full(self, seed: int) -> np.ndarray:
+        """The full logical tensor at initialisation, identical on every mesh: drawn from
+        a generator seeded by (seed, name), then padded with zeros."""
+        if self.init == "zeros":
+            return np.zeros(self.full_shape)
+        if self.init == "ones":
+            return np.ones(self.full_shape)
+        rng = np.random.default_rng([seed, zlib.crc32(self.name.encode())])
+        return pad_to_full(rng.normal(0.0, self.std, self.logical_shape), self.full_shape)
+
+
+def pad_to_full(logical: np.ndarray, full_shape: tuple) -> np.ndarray:
+    if logical.shape == tuple(full_shape):
+        return logical
+    full = np.zeros(full_shape, dtype=logical.dtype)
+    full[tuple(slice(0, n) for n in logical.shape)] = logical
+    return full
+
+
+class ParamStore:
+    """One stage's parameters as views into a flat data buffer and a flat grad buffer.
+
+    The buffers are padded to a multiple of `pad_multiple` (the dp size under ZeRO-1,
+    so that every rank owns an equal contiguous slice).
+    """
+
+    def __init__(self, params: list[Param], dtype, tp_rank: int = 0, pad_multiple: int = 1):
+        names = [p.name for p in params]
+        self.by_name = {p.name: p for p in params}
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate parameter names in {names}")
+        self.params = params
+        self.dtype = np.dtype(dtype)
+        self.offsets = {}
+        offset = 0
+        for p in params:
+            n = int(np.prod(p.local_shape))
+            self.offsets[p.name] = (offset, offset + n)
+            offset += n
+        self.numel = offset                      # real elements
+        self.size = -(-offset // pad_multiple) * pad_multiple
+        self.data = np.zeros(self.size, self.dtype)
+        self.grad = np.zeros(self.size, self.dtype)
+        self.decay_mask = np.zeros(self.size, self.dtype)
+        self.norm_mask = np.zeros(self.size, self.dtype)
+        for p in params:
+            start, stop = self.offsets[p.name]
+            p.data = self.data[start:stop].reshape(p.local_shape)
+            p.grad = self.grad[start:stop].reshape(p.local_shape)
+            self.decay_mask[start:stop] = p.decay
+            # Counted in the global gradient norm on this rank? A tp-replicated tensor
+            # once (on tp rank 0), a split one on every rank (each holds a slice).
+            self.norm_mask[start:stop] = p.in_norm and (p.split_axis is not None or tp_rank == 0)
+
+    def initialize(self, seed: int) -> None:
+        for p in self.params:
+            p.data[...] = p.draw_full(seed)[p.tp_slice()]
+
+    def zero_grad(self) -> None:
+        self.grad.fill(0)
+
+    def view(self, flat: np.ndarray, name: str) -> np.ndarray:
+        """The slice of any flat buffer laid out like `data` (Adam m or v) for one param."""
+        start, stop = self.offsets[name]
+        param = self.by_name[name]
+        return flat[start:stop].reshape(param.local_shape)

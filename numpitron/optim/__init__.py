@@ -1,0 +1,1 @@
+"""AdamW, the learning-rate schedule and global-norm gradient clipping."""

@@ -1,0 +1,1 @@
+"""Data parallelism (gradient all-reduce), ZeRO-1, and pipeline schedules."""

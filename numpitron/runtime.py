@@ -1,0 +1,53 @@
+"""Process set-up that must happen before NumPy or MPI is initialised.
+
+Imports nothing heavy, so entry points can call it first thing.
+
+* One BLAS thread per process: several ranks share the cores, and two ranks that
+  each run BLAS on two threads collapse to a fraction of one thread's speed.
+  `--blas-threads N` or an already-set OPENBLAS_NUM_THREADS/OMP_NUM_THREADS wins.
+* When a host runs more ranks than it has cores, MPICH ranks waiting in MPI spin
+  a whole core and starve the ones doing work; MPIR_CVAR_ENABLE_HEAVY_YIELD makes
+  them yield instead. It slows small collectives, so it is only set when
+  oversubscribed (and never if the user set it).
+"""
+
+import os
+
+BLAS_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+YIELD_VAR = "MPIR_CVAR_ENABLE_HEAVY_YIELD"
+
+
+def blas_threads_from_argv(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == "--blas-threads" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--blas-threads="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def ranks_on_this_host() -> int:
+    """Ranks the launcher placed on this host (MPICH: MPI_LOCALNRANKS; Open MPI:
+    OMPI_COMM_WORLD_LOCAL_SIZE); 1 when run without a launcher."""
+    for var in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 1
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def configure_process(argv: list[str]) -> None:
+    threads = blas_threads_from_argv(argv)
+    for var in BLAS_VARS:
+        if threads is not None:
+            os.environ[var] = threads
+        else:
+            os.environ.setdefault(var, "1")
+    if ranks_on_this_host() > usable_cores():
+        os.environ.setdefault(YIELD_VAR, "1")

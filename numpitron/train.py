@@ -1,0 +1,115 @@
+"""The training loop: steps, periodic evaluation, metrics, checkpoints, resume.
+
+Every rank runs this same loop; only the logging rank (world rank 0) prints and
+writes metrics, and checkpoints are gathered to it (see numpitron.checkpoint).
+"""
+
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from numpitron.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from numpitron.data.batches import load_tokens
+from numpitron.data.prepare import ensure_prepared, prepared_paths
+from numpitron.data.tokenizer import CharTokenizer
+from numpitron.errors import UserError
+from numpitron.metrics import MetricsLog
+from numpitron.trainer import Trainer
+
+
+def prepare_data_on_ranks(topo, data_dir: Path, input_path=None) -> dict:
+    """Rank 0 prepares the data (download or copy); the others wait, then use it.
+    A rank on a host without the shared directory prepares its own copy."""
+    if topo.rank == 0:
+        ensure_prepared(data_dir, input_path, quiet=False)
+    topo.world.barrier()
+    return ensure_prepared(data_dir, input_path, quiet=True)
+
+
+def bubble_formula(stages: int, microbatches: int) -> float:
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=False,
+          progress=True, input_path=None) -> dict:
+    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    paths = prepare_data_on_ranks(topo, data_dir, input_path)
+    tokenizer = CharTokenizer.load(paths["tokenizer"])
+    model_cfg = replace(model_cfg, vocab_size=tokenizer.vocab_size).validate()
+    parallel_cfg.validate(model_cfg)
+    splits = {"train": load_tokens(paths["train"]), "val": load_tokens(paths["val"])}
+    trainer = Trainer(model_cfg, parallel_cfg, train_cfg, topo)
+    ckpt_root = out_dir / "checkpoints"
+    best_ckpt = None
+    if resume:
+        found = latest_checkpoint(ckpt_root)
+        if found is None:
+            raise UserError(f"--resume: no checkpoint in {ckpt_root}")
+        load_checkpoint(found, trainer)
+    log = MetricsLog(out_dir / "metrics.jsonl", topo.is_logger, trainer.iteration if resume else None)
+    if topo.is_logger:
+        print(topo, flush=True)
+        print(f"model: {sum(int(math.prod(p.logical_shape)) for p in trainer.model.params)} parameters on stage 0; "
+              f"{trainer.num_microbatches} micro-batches of {train_cfg.micro_batch_size} per dp rank", flush=True)
+    bar = _progress_bar(trainer.iteration, train_cfg.max_iters, progress and topo.is_logger)
+    tokens_per_iter = trainer.global_batch_size * model_cfg.seq_len
+    start, last_eval = time.perf_counter(), {}
+    while trainer.iteration < train_cfg.max_iters:
+        topo.stats.reset()
+        t0 = time.perf_counter()
+        step = trainer.train_step(splits["train"])
+        dt = time.perf_counter() - t0
+        it = trainer.iteration          # iterations completed
+        record = {"iter": it, **step, "tokens_per_s": tokens_per_iter / dt, "elapsed_s": time.perf_counter() - start,
+                  "comm_bytes": topo.stats.total_bytes()}
+        if topo.pp > 1:
+            record["bubble"] = trainer.last_pipeline_stats.bubble_fraction
+            record["bubble_formula"] = bubble_formula(topo.pp, trainer.num_microbatches)
+        if not math.isfinite(step["train_loss"]):
+            raise UserError(f"training diverged at iteration {it}: loss is {step['train_loss']}")
+        is_eval = it % train_cfg.eval_interval == 0 or it == train_cfg.max_iters
+        if is_eval:
+            last_eval = trainer.evaluate(splits, train_cfg.eval_iters)
+            record["val_loss"] = last_eval["val"]
+            record["eval_train_loss"] = last_eval["train"]
+            if last_eval["val"] < trainer.best_val_loss:
+                trainer.best_val_loss = last_eval["val"]
+                best_ckpt = save_checkpoint(ckpt_root, trainer, train_cfg.keep_checkpoints, protect=best_ckpt)
+                saved = True
+            else:
+                saved = False
+        else:
+            saved = False
+        periodic = train_cfg.save_interval and it % train_cfg.save_interval == 0
+        if not saved and (periodic or it == train_cfg.max_iters):
+            save_checkpoint(ckpt_root, trainer, train_cfg.keep_checkpoints, protect=best_ckpt)
+        if is_eval or it % train_cfg.log_interval == 0 or it == train_cfg.max_iters:
+            log.write(record)
+            _report(bar, record, topo.is_logger)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return {"iterations": trainer.iteration, "val_loss": last_eval.get("val"),
+            "train_loss": last_eval.get("train"), "elapsed_s": time.perf_counter() - start, "trainer": trainer}
+
+
+def _progress_bar(initial: int, total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, initial=initial, dynamic_ncols=True, desc="train")
+
+
+def _report(bar, record: dict, is_logger: bool) -> None:
+    if not is_logger:
+        return
+    fields = {"loss": f"{record['train_loss']:.4f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
+    if "val_loss" in record:
+        fields["val"] = f"{record['val_loss']:.4f}"
+        message = (f"iter {record['iter']}: train {record['eval_train_loss']:.4f}, "
+                   f"val {record['val_loss']:.4f}")
+        (bar.write if bar is not None else print)(message)
+    if bar is not None:
+        bar.set_postfix(fields, refresh=False)

@@ -1,0 +1,100 @@
+"""Every parallel layout trains exactly like one process (float64, rtol 1e-10).
+
+Each test builds a mesh over the ranks mpi-pytest launched, trains 10 iterations,
+and compares the losses (every rank) and the gathered full parameters (rank 0)
+with a serial run of the same configuration computed inside the same rank.
+"""
+
+import pytest
+from mpi4py import MPI
+
+from numpitron.config import ParallelConfig
+from tests.harness import mesh_topology, run, serial_reference, tiny_model, tiny_train
+from tests.tolerances import EQUIV_RTOL_FLOAT32, EQUIV_RTOL_FLOAT64, rel_diff
+
+
+def check_mesh(mesh: dict, dtype="float64", rtol=EQUIV_RTOL_FLOAT64, **train_overrides):
+    model_cfg, train_cfg = tiny_model(dtype), tiny_train(**train_overrides)
+    topo = mesh_topology(**mesh)
+    parallel = ParallelConfig(**{"tensor": 1, "pipeline": 1, "data": topo.dp, **mesh})
+    losses, norms, params, _ = run(model_cfg, train_cfg, topo, parallel)
+    ref_losses, ref_norms, ref_params, _ = serial_reference(model_cfg, train_cfg)
+    param_diff = None
+    if topo.rank == 0:
+        assert params.keys() == ref_params.keys()
+        param_diff = max(rel_diff(*comparable(k, params[k], ref_params[k], dtype)) for k in ref_params)
+    # Every rank learns every figure before any asserts, so all fail together
+    # instead of one failing while the others wait in the next collective.
+    diffs = {"loss": rel_diff(losses, ref_losses), "grad_norm": rel_diff(norms, ref_norms),
+             "params": MPI.COMM_WORLD.bcast(param_diff, root=0)}
+    diffs = max(MPI.COMM_WORLD.allgather(diffs), key=lambda d: max(d.values()))
+    assert max(diffs.values()) <= rtol, (mesh, diffs)
+    return losses, ref_losses
+
+
+def comparable(name, actual, expected, dtype):
+    """The key bias has an exactly zero gradient (softmax ignores a shift shared by a
+    row of scores, and q . b_k is one), so in float32 its gradient is pure rounding
+    noise, which Adam normalises into +-lr steps in any layout, serial included.
+    Only there, and only in float32, it is left out of the comparison."""
+    if dtype == "float32" and name.endswith("attn.qkv.bias"):
+        return actual[[0, 2]], expected[[0, 2]]
+    return actual, expected
+
+
+def mesh_id(mesh):
+    return "-".join(f"{k}{v}" for k, v in mesh.items())
+
+
+TWO_RANKS = [dict(data=2), dict(tensor=2), dict(pipeline=2, schedule="gpipe"), dict(pipeline=2, schedule="1f1b"),
+             dict(data=2, zero_stage=1)]
+FOUR_RANKS = [dict(data=4), dict(tensor=4), dict(tensor=2, data=2), dict(pipeline=4, schedule="gpipe"),
+              dict(pipeline=4, schedule="1f1b"), dict(tensor=2, pipeline=2), dict(data=4, zero_stage=1),
+              dict(tensor=2, data=2, zero_stage=1), dict(pipeline=2, data=2, zero_stage=1)]
+
+
+@pytest.mark.parallel(nprocs=2)
+@pytest.mark.parametrize("mesh", TWO_RANKS, ids=mesh_id)
+def test_two_ranks_match_serial(mesh):
+    check_mesh(mesh)
+
+
+@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("mesh", FOUR_RANKS, ids=mesh_id)
+def test_four_ranks_match_serial(mesh):
+    check_mesh(mesh)
+
+
+@pytest.mark.parallel(nprocs=8)
+def test_full_3d_tp2_pp2_dp2_matches_serial():
+    check_mesh(dict(tensor=2, pipeline=2, data=2, schedule="1f1b"))
+    check_mesh(dict(tensor=2, pipeline=2, data=2, schedule="gpipe", zero_stage=1))
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_float32_data_parallel_within_1e5():
+    check_mesh(dict(data=2), dtype="float32", rtol=EQUIV_RTOL_FLOAT32)
+    check_mesh(dict(data=2), dtype="float32", rtol=EQUIV_RTOL_FLOAT32, micro_batch_size=1)
+
+
+@pytest.mark.parallel(nprocs=4)
+def test_clipping_that_bites_stays_exact_under_zero1():
+    # grad_clip far below the gradient norm: every step is clipped
+    losses, _ = check_mesh(dict(tensor=2, data=2, zero_stage=1), grad_clip=0.05)
+    check_mesh(dict(pipeline=2, data=2, zero_stage=1), grad_clip=0.05)
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    """micro-batch 2 x 6 accumulation steps == micro-batch 12 x 1 (serial)."""
+    model_cfg = tiny_model()
+    acc, _, acc_params, _ = serial_reference(model_cfg, tiny_train(micro_batch_size=2, global_batch_size=12))
+    one, _, one_params, _ = serial_reference(model_cfg, tiny_train(micro_batch_size=12, global_batch_size=12))
+    assert rel_diff(acc, one) <= EQUIV_RTOL_FLOAT64
+    assert max(rel_diff(acc_params[k], one_params[k]) for k in one_params) <= EQUIV_RTOL_FLOAT64
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_data_parallel_with_accumulation_equals_both():
+    """dp=2 with 3 micro-batches of 2 each equals the serial batch of 12."""
+    check_mesh(dict(data=2), micro_batch_size=2, global_batch_size=12)
+    check_mesh(dict(data=2), micro_batch_size=6, global_batch_size=12)
