@@ -54,8 +54,10 @@ def main(argv=None) -> int:
     if path is None:
         raise UserError(f"no checkpoint in {Path(args.out_dir) / 'checkpoints'}; train first or pass --checkpoint")
     manifest = read_manifest(path)
-    tokenizer_path = path / "tokenizer.json"
-    tokenizer = CharTokenizer.load(tokenizer_path if tokenizer_path.exists() else Path(args.data_dir) / "tokenizer.json")
+    if "tokenizer" in manifest:
+        tokenizer = CharTokenizer.from_dict(manifest["tokenizer"])
+    else:       # e.g. a checkpoint imported from an .npz archive
+        tokenizer = CharTokenizer.load(Path(args.data_dir) / "tokenizer.json")
     prompt = tokenizer.encode(args.prompt)
     model_cfg = from_dict(ModelConfig, manifest["model_config"]).validate()
     if model_cfg.n_heads % tp:

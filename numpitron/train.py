@@ -9,7 +9,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from numpitron.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from numpitron.checkpoint import latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint
+from numpitron.checkpoint.manifest import iter_dirs
 from numpitron.data.batches import load_tokens
 from numpitron.data.prepare import ensure_prepared, prepared_paths
 from numpitron.data.tokenizer import CharTokenizer
@@ -47,6 +48,11 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
         if found is None:
             raise UserError(f"--resume: no checkpoint in {ckpt_root}")
         load_checkpoint(found, trainer)
+        best_ckpt = best_checkpoint(ckpt_root)
+
+    def save(reason: str, protect):
+        extra = {"saved_for": reason, "tokenizer": tokenizer.to_dict()}
+        return save_checkpoint(ckpt_root, trainer, train_cfg.keep_checkpoints, protect=protect, extra=extra)
     log = MetricsLog(out_dir / "metrics.jsonl", topo.is_logger, trainer.iteration if resume else None)
     if topo.is_logger:
         print(topo, flush=True)
@@ -75,7 +81,7 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
             record["eval_train_loss"] = last_eval["train"]
             if last_eval["val"] < trainer.best_val_loss:
                 trainer.best_val_loss = last_eval["val"]
-                best_ckpt = save_checkpoint(ckpt_root, trainer, train_cfg.keep_checkpoints, protect=best_ckpt)
+                best_ckpt = save("best", protect=best_ckpt)
                 saved = True
             else:
                 saved = False
@@ -83,7 +89,7 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
             saved = False
         periodic = train_cfg.save_interval and it % train_cfg.save_interval == 0
         if not saved and (periodic or it == train_cfg.max_iters):
-            save_checkpoint(ckpt_root, trainer, train_cfg.keep_checkpoints, protect=best_ckpt)
+            save("final" if it == train_cfg.max_iters else "interval", protect=best_ckpt)
         if is_eval or it % train_cfg.log_interval == 0 or it == train_cfg.max_iters:
             log.write(record)
             _report(bar, record, topo.is_logger)
@@ -93,6 +99,12 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
         bar.close()
     return {"iterations": trainer.iteration, "val_loss": last_eval.get("val"),
             "train_loss": last_eval.get("train"), "elapsed_s": time.perf_counter() - start, "trainer": trainer}
+
+
+def best_checkpoint(root: Path):
+    """The newest checkpoint saved for an improved val loss (kept through pruning)."""
+    best = [p for p in iter_dirs(root) if read_manifest(p).get("saved_for") == "best"]
+    return best[-1] if best else None
 
 
 def _progress_bar(initial: int, total: int, enabled: bool):

@@ -45,9 +45,17 @@ class CharTokenizer:
             raise UserError(f"token ids must lie in [0, {self.vocab_size}) to decode")
         return "".join(self._char_array[ids].tolist())
 
+    def to_dict(self) -> dict:
+        return {"kind": "char", "chars": list(self.chars)}
+
+    @classmethod
+    def from_dict(cls, payload, origin: str = "checkpoint manifest") -> "CharTokenizer":
+        if not _is_char_payload(payload):
+            raise UserError(f"corrupt tokenizer in {origin}: expected a char tokenizer")
+        return cls(payload["chars"])
+
     def save(self, path) -> None:
-        payload = {"kind": "char", "chars": self.chars}
-        Path(path).write_text(json.dumps(payload, ensure_ascii=False), encoding="utf-8")
+        Path(path).write_text(json.dumps(self.to_dict(), ensure_ascii=False), encoding="utf-8")
 
     @classmethod
     def load(cls, path) -> "CharTokenizer":
@@ -58,9 +66,7 @@ class CharTokenizer:
             raise UserError(f"tokenizer file not found: {path}") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise UserError(f"cannot read tokenizer file {path}: {exc}") from None
-        if not _is_char_payload(payload):
-            raise UserError(f"corrupt tokenizer file {path}: expected a char tokenizer")
-        return cls(payload["chars"])
+        return cls.from_dict(payload, origin=f"tokenizer file {path}")
 
 
 def _is_char_payload(payload) -> bool:

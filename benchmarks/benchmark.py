@@ -1,0 +1,224 @@
+"""Training-step throughput on any mesh, as one JSON object (DESIGN.md, "Yardsticks").
+
+    python benchmarks/benchmark.py                                   # one process
+    mpiexec -n 2 python benchmarks/benchmark.py --tensor-parallel-size 2
+
+Every rank first times float32 sgemm on its one BLAS thread, all ranks at once, so
+the peak reflects the contention they will train under. Then it trains on random
+tokens (no data files), with a barrier before each step; an iteration's time is the
+slowest rank's. MPI time is measured by wrapping the library's `Comm` methods here
+(the library is not edited), so `comm_fraction` includes time spent waiting for a
+peer, e.g. a pipeline stage blocked in Recv during the bubble.
+"""
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from numpitron.runtime import configure_process  # noqa: E402
+
+configure_process(sys.argv)   # one BLAS thread per rank: must precede `import numpy`
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from numpitron.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
+from numpitron.distributed import comm as comm_module  # noqa: E402
+from numpitron.distributed.topology import Topology  # noqa: E402
+from numpitron.parallel import pipeline as pipeline_module  # noqa: E402
+from numpitron.trainer import Trainer  # noqa: E402
+
+VOCAB, N_TOKENS = 65, 200_000
+COMM_METHODS = ("all_reduce", "reduce_scatter", "all_gather", "gather", "broadcast",
+                "send", "recv", "isend", "irecv", "barrier")
+mpi_seconds = {"total": 0.0}    # this rank's time inside MPI calls since the last reset
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=None)
+    p.add_argument("--pipeline-schedule", choices=["gpipe", "1f1b"], default="1f1b")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1], default=0)
+    p.add_argument("--micro-batch-size", type=int, default=12)
+    p.add_argument("--global-batch-size", type=int, default=0, help="default: micro batch x dp")
+    p.add_argument("--n-layers", type=int, default=4)
+    p.add_argument("--n-heads", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--blas-threads", type=int, default=1, help="read by configure_process before NumPy starts")
+    return p.parse_args()
+
+
+def time_mpi_calls() -> None:
+    """Wrap Comm's collectives and the pipeline's Waitall with a timer. Size-1
+    communicators are no-ops in the library and are left untimed."""
+    def timed(method):
+        def wrapper(self, *args, **kwargs):
+            if self.size == 1:
+                return method(self, *args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                mpi_seconds["total"] += time.perf_counter() - start
+        return wrapper
+
+    for name in COMM_METHODS:
+        setattr(comm_module.Comm, name, timed(getattr(comm_module.Comm, name)))
+    wait_all = pipeline_module.wait_all      # imported by name into the pipeline module
+
+    def timed_wait_all(requests):
+        start = time.perf_counter()
+        wait_all(requests)
+        mpi_seconds["total"] += time.perf_counter() - start
+    pipeline_module.wait_all = timed_wait_all
+
+
+def sgemm_gflops(m: int, k: int, n: int, dtype, reps: int) -> float:
+    """Median GFLOP/s of (m, k) @ (k, n) on this rank's BLAS thread(s), with `out=`."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+    out = np.empty((m, n), dtype)
+    np.matmul(a, b, out=out)                                   # warm the caches and BLAS
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        np.matmul(a, b, out=out)
+        times.append(time.perf_counter() - start)
+    return 2 * m * k * n / np.median(times) / 1e9
+
+
+def flops_per_token(cfg: ModelConfig) -> tuple[int, int]:
+    """PaLM (Chowdhery et al. 2022, appendix B): 6N + 12 L H Q T per token.
+
+    N counts the parameters whose use costs a multiply-add per token: every block
+    parameter, the final LayerNorm, and the tied LM head's V x C matmul (the head
+    shares its weight with the token embedding, but its matmul is real work). The
+    token and position embeddings are lookups, not matmuls, and are left out.
+    The attention term 12 L H Q T = 12 L C T counts the full T x T score and
+    attention-value matmuls (forward and backward), as PaLM does, not the causal half.
+    """
+    C, L, T, V = cfg.d_model, cfg.n_layers, cfg.seq_len, cfg.vocab_size
+    per_block = (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C) + 4 * C
+    n = L * per_block + 2 * C + V * C
+    return n, 6 * n + 12 * L * C * T
+
+
+def main():
+    args = parse_args()
+    world = MPI.COMM_WORLD
+    dtype = np.dtype(args.dtype)
+    baseline_rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+    # The peak: all ranks at once on their own thread. 768 x 128 @ 128 x 512 is the
+    # default model's MLP up-projection (N = B*T = 768); 1024^3 is the BLAS ceiling.
+    world.Barrier()
+    gflops_small = sgemm_gflops(768, 128, 512, dtype, reps=50)
+    world.Barrier()
+    gflops_large = sgemm_gflops(1024, 1024, 1024, dtype, reps=10)
+    gemm = world.gather((gflops_small, gflops_large), root=0)
+
+    model_cfg = ModelConfig(vocab_size=VOCAB, seq_len=args.seq_len, n_layers=args.n_layers,
+                            n_heads=args.n_heads, d_model=args.d_model, dtype=args.dtype).validate()
+    if world.Get_size() == 1:
+        topo = Topology.serial()       # the single-process code path, as train_shakespeare uses
+    else:
+        topo = Topology.from_world(args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size)
+    parallel_cfg = ParallelConfig(tensor=topo.tp, pipeline=topo.pp, data=topo.dp, schedule=args.pipeline_schedule,
+                                  zero_stage=args.zero_stage).validate(model_cfg)
+    train_cfg = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+                            max_iters=args.warmup + args.iters, warmup_iters=0).validate()
+    trainer = Trainer(model_cfg, parallel_cfg, train_cfg, topo)
+    # Same seed on every rank: every rank must see the same token stream.
+    tokens = np.random.default_rng(0).integers(0, VOCAB, N_TOKENS).astype(np.uint16)
+    time_mpi_calls()
+
+    for _ in range(args.warmup):
+        trainer.train_step(tokens)
+    topo.stats.reset()
+    step_s, mpi_s, bubbles = [], [], []
+    for _ in range(args.iters):
+        world.Barrier()                        # every rank starts the step together
+        mpi_seconds["total"] = 0.0
+        start = time.perf_counter()
+        trainer.train_step(tokens)
+        step_s.append(time.perf_counter() - start)
+        mpi_s.append(mpi_seconds["total"])
+        stats = trainer.last_pipeline_stats
+        bubbles.append((stats.busy_s, stats.wall_s))
+
+    # The iteration time is the slowest rank's: reduce per-step times with MAX.
+    slowest = np.array(step_s)
+    world.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
+    per_rank = world.gather({
+        "comm_fraction": sum(mpi_s) / sum(step_s),
+        "comm_bytes_per_iter": topo.stats.total_bytes() / args.iters,
+        "bubbles": bubbles,
+        "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "optimizer_state_bytes": trainer.optimizer.state_nbytes(),
+    }, root=0)
+    if world.Get_rank() != 0:
+        return
+
+    n_ranks = world.Get_size()
+    tokens_per_iter = trainer.global_batch_size * args.seq_len
+    ms = float(np.median(slowest)) * 1e3
+    n_params, flops_tok = flops_per_token(model_cfg)
+    achieved = flops_tok * tokens_per_iter / (ms / 1e3) / 1e9
+    peak_per_rank = float(np.mean([large for _, large in gemm]))
+    result = {
+        "mesh": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "world": n_ranks,
+                 "schedule": args.pipeline_schedule if topo.pp > 1 else None, "zero_stage": args.zero_stage,
+                 "micro_batch": args.micro_batch_size, "global_batch": trainer.global_batch_size,
+                 "num_microbatches": trainer.num_microbatches},
+        "model": {"n_layers": args.n_layers, "n_heads": args.n_heads, "d_model": args.d_model,
+                  "seq_len": args.seq_len, "vocab": VOCAB, "flops_params": n_params},
+        "dtype": args.dtype,
+        # Shared machine: another job's load skews every figure, so record it.
+        "loadavg_1min_at_end": round(os.getloadavg()[0], 2),
+        "iters": args.iters,
+        "tokens_per_iter": tokens_per_iter,
+        "ms_per_iter_median": round(ms, 2),
+        "ms_per_iter_min": round(float(slowest.min()) * 1e3, 2),
+        "tokens_per_s": round(tokens_per_iter / (ms / 1e3), 1),
+        "flops_per_token": flops_tok,
+        "achieved_gflops": round(achieved, 2),
+        "sgemm_gflops_per_rank": {"768x128x512": [round(s, 1) for s, _ in gemm],
+                                  "1024^3": [round(large, 1) for _, large in gemm]},
+        "peak_gflops_per_rank": round(peak_per_rank, 1),
+        "peak_gflops_total": round(peak_per_rank * n_ranks, 1),
+        "mfu": round(achieved / (peak_per_rank * n_ranks), 4),
+        "comm_bytes_per_iter": topo.stats.total_bytes() / args.iters,     # rank 0's
+        "comm_bytes_per_iter_by_kind": {k: v["bytes"] / args.iters for k, v in topo.stats.snapshot().items()},
+        "comm_calls_per_iter_by_kind": {k: v["calls"] / args.iters for k, v in topo.stats.snapshot().items()},
+        "comm_bytes_per_iter_per_rank": [r["comm_bytes_per_iter"] for r in per_rank],
+        "comm_fraction": round(float(np.mean([r["comm_fraction"] for r in per_rank])), 4),
+        "comm_fraction_per_rank": [round(r["comm_fraction"], 4) for r in per_rank],
+        "peak_rss_mb": round(max(r["peak_rss_kb"] for r in per_rank) / 1024, 1),   # Linux: KiB
+        "baseline_rss_mb_rank0": round(baseline_rss_kb / 1024, 1),
+        "optimizer_state_bytes_per_rank": [r["optimizer_state_bytes"] for r in per_rank],
+    }
+    if topo.pp > 1:
+        # Bubble of one iteration: idle share of all stages' schedule time (the
+        # optimizer step is outside it), i.e. 1 - sum(busy) / sum(wall) over stages.
+        per_iter = [1 - sum(r["bubbles"][i][0] for r in per_rank) / sum(r["bubbles"][i][1] for r in per_rank)
+                    for i in range(args.iters)]
+        P, m = topo.pp, trainer.num_microbatches
+        result["pipeline_bubble_measured_median"] = round(float(np.median(per_iter)), 4)
+        result["pipeline_bubble_formula"] = round((P - 1) / (m + P - 1), 4)
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    from numpitron.distributed.launch import run_main
+    sys.exit(run_main(lambda argv: main()))

@@ -1,0 +1,94 @@
+"""Draw one real pipeline iteration per stage, GPipe beside 1F1B, as an SVG.
+
+    mpiexec -n 4 python benchmarks/pipeline_timeline.py --out docs/pipeline_timeline.svg
+
+Every stage records when each forward and backward of each micro-batch started and
+ended (PipelineStats.events); rank 0 gathers them and draws a row per stage: the
+gaps are the pipeline bubble. The figure states the measured bubble beside the
+formula (P-1)/(m+P-1) and the peak micro-batches held at once per stage.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from numpitron.runtime import configure_process  # noqa: E402
+
+configure_process(sys.argv)
+
+COLORS = {"F": "#4c78a8", "B": "#f58518"}
+ROW_H, LEFT, WIDTH = 26, 70, 900
+
+
+def record_iteration(schedule: str, microbatches: int, warmup: int = 3):
+    import numpy as np
+
+    from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
+    from numpitron.distributed.topology import Topology
+    from numpitron.trainer import Trainer
+
+    topo = Topology.from_world(1, _world_size(), 1)
+    model = ModelConfig(n_layers=max(4, topo.pp), n_heads=4, d_model=128, seq_len=64)
+    train = TrainConfig(micro_batch_size=4, global_batch_size=4 * microbatches)
+    trainer = Trainer(model, ParallelConfig(pipeline=topo.pp, schedule=schedule).validate(model), train, topo)
+    tokens = np.random.default_rng(0).integers(0, 65, 100_000).astype(np.uint16)
+    for _ in range(warmup + 1):          # the last iteration is the one drawn
+        trainer.train_step(tokens)
+    stats = trainer.last_pipeline_stats
+    per_stage = topo.world.mpi.gather((stats.events, stats.wall_s, stats.peak_in_flight), root=0)
+    return topo, per_stage
+
+
+def _world_size() -> int:
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.Get_size()
+
+
+def draw(panels, microbatches: int) -> str:
+    """panels: [(title, per_stage)], per_stage = [(events, wall_s, peak)] by stage."""
+    stages = len(panels[0][1])
+    panel_h = (stages + 2) * ROW_H
+    height = panel_h * len(panels) + 30
+    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + 20}" height="{height}" '
+           'font-family="sans-serif" font-size="12">', '<rect width="100%" height="100%" fill="white"/>']
+    longest = max(wall for _, per_stage in panels for _, wall, _ in per_stage)
+    scale = WIDTH / longest
+    for p, (title, per_stage) in enumerate(panels):
+        top = p * panel_h + 20
+        busy = [sum(e - s for _, _, s, e in events) for events, _, _ in per_stage]
+        bubble = 1 - sum(busy) / sum(wall for _, wall, _ in per_stage)
+        formula = (stages - 1) / (microbatches + stages - 1)
+        svg.append(f'<text x="{LEFT}" y="{top}" font-weight="bold">{title}: measured bubble '
+                   f'{bubble:.1%}, formula (P-1)/(m+P-1) = {formula:.1%}; peak in flight per stage '
+                   f'{[peak for _, _, peak in per_stage]}</text>')
+        for s, (events, wall, _) in enumerate(per_stage):
+            y = top + 10 + s * ROW_H
+            svg.append(f'<text x="5" y="{y + 16}">stage {s}</text>')
+            svg.append(f'<rect x="{LEFT}" y="{y}" width="{wall * scale:.1f}" height="{ROW_H - 6}" fill="#eeeeee"/>')
+            for op, mb, start, end in events:
+                x, w = LEFT + start * scale, max((end - start) * scale, 1)
+                svg.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{ROW_H - 6}" fill="{COLORS[op]}" '
+                           f'stroke="white"/><text x="{x + 3:.1f}" y="{y + 14}" fill="white">{op}{mb}</text>')
+    svg.append(f'<text x="{LEFT}" y="{height - 8}">blue: forward, orange: backward, grey: idle '
+               f'(waiting for a neighbour); time runs left to right, {longest * 1e3:.0f} ms across</text>')
+    svg.append("</svg>")
+    return "\n".join(svg)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--out", default="docs/pipeline_timeline.svg")
+    args, _ = parser.parse_known_args()
+    panels = []
+    for schedule, title in (("gpipe", "GPipe"), ("1f1b", "1F1B")):
+        topo, per_stage = record_iteration(schedule, args.microbatches)
+        panels.append((title, per_stage))
+    if topo.rank == 0:
+        Path(args.out).write_text(draw(panels, args.microbatches))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Loading checkpoints onto any mesh.
+
+Every rank reads the files itself: each tensor is memory-mapped and the rank cuts
+its own shard out of it (`fill_from_full`), so the mesh that wrote the checkpoint
+does not matter. Nothing is trusted before it is checked against the manifest.
+"""
+
+import math
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+
+from numpitron.checkpoint.manifest import (KINDS, LATEST_NAME, is_complete, iter_dirs, iteration_of,
+                                           read_manifest, tensor_relpath, verify_tensor_file)
+from numpitron.config import ModelConfig
+from numpitron.distributed.gather import fill_from_full
+from numpitron.errors import UserError
+
+
+def latest_checkpoint(root) -> Path | None:
+    """The checkpoint ROOT/latest names if it is complete, else the newest complete
+    iter_ directory, else None."""
+    root = Path(root)
+    try:
+        name = (root / LATEST_NAME).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        name = ""
+    # Only a bare iter_ name is followed: the pointer must not lead outside ROOT.
+    if name and name == Path(name).name and iteration_of(Path(name)) is not None and is_complete(root / name):
+        return root / name
+    complete = [p for p in iter_dirs(root) if is_complete(p)]
+    return complete[-1] if complete else None
+
+
+def load_checkpoint(path, trainer) -> dict:
+    """Restore parameters, Adam state, iteration and best validation loss into
+    `trainer`, whatever its mesh. Called by every rank; returns the manifest."""
+    return _on_every_rank(trainer.topo.world, lambda: _load_training_state(Path(path), trainer))
+
+
+def load_model_weights(path, model, expected_model_cfg=None) -> dict:
+    """Parameters only (for sampling) into a GPTStage on any tensor-parallel mesh."""
+    return _on_every_rank(model.topo.world, lambda: _load_weights(Path(path), model, expected_model_cfg))
+
+
+def check_model_config(manifest: dict, model_cfg: ModelConfig) -> None:
+    """One UserError listing every field where the checkpoint and the flags disagree."""
+    saved = manifest["model_config"]
+    differing = []
+    for field in fields(ModelConfig):
+        stored, current = saved.get(field.name, field.default), getattr(model_cfg, field.name)
+        if stored != current:
+            differing.append(f"{field.name} {stored} != {current}")
+    if differing:
+        raise UserError(f"checkpoint model config differs from the flags: {', '.join(differing)}")
+
+
+class TensorReader:
+    """Verifies every tensor file of the given kinds up front, then serves them.
+
+    Each rank checks all files, not only its own stage's: a corrupt file is then
+    found by every rank alike, and the whole world fails with the same message.
+    """
+
+    def __init__(self, path: Path, manifest: dict, kinds):
+        self.path = path
+        self.arrays = {relpath: verify_tensor_file(path, relpath, entry)
+                       for relpath, entry in manifest["tensors"].items()
+                       if relpath.split("/", 1)[0] in kinds}
+
+    def names(self, kind: str) -> list[str]:
+        prefix, suffix = f"{kind}/", ".npy"
+        return [r[len(prefix):-len(suffix)] for r in self.arrays if r.startswith(prefix) and r.endswith(suffix)]
+
+    def getter(self, kind: str, dtype):
+        """get(name) -> the full logical tensor, cast to `dtype` (as fill_from_full wants)."""
+        def get(name):
+            relpath = tensor_relpath(kind, name)
+            if relpath not in self.arrays:
+                raise UserError(f"corrupt checkpoint {self.path}: the manifest lists no {relpath}")
+            return np.asarray(self.arrays[relpath], dtype=dtype)
+        return get
+
+
+def _load_training_state(path: Path, trainer) -> dict:
+    manifest = read_manifest(path)
+    check_model_config(manifest, trainer.model_cfg)
+    for key in ("iteration", "adam_step"):
+        if not isinstance(manifest[key], int) or manifest[key] < 0:
+            raise UserError(f"corrupt checkpoint manifest in {path}: {key} is {manifest[key]!r}")
+    reader = TensorReader(path, manifest, KINDS)
+    store = trainer.model.store
+    # Everything is read into fresh buffers first: a failure leaves the trainer untouched.
+    flats = {kind: _full_stage_buffer(reader, kind, trainer.model) for kind in KINDS}
+    store.data[...] = flats["params"]
+    trainer.optimizer.load_moments(flats["adam_m"], flats["adam_v"], manifest["adam_step"])
+    trainer.iteration = manifest["iteration"]
+    best = manifest.get("best_val_loss")
+    trainer.best_val_loss = math.inf if best is None else float(best)
+    return manifest
+
+
+def _load_weights(path: Path, model, expected_model_cfg) -> dict:
+    manifest = read_manifest(path)
+    if expected_model_cfg is not None:
+        check_model_config(manifest, expected_model_cfg)
+    reader = TensorReader(path, manifest, ("params",))
+    model.store.data[...] = _full_stage_buffer(reader, "params", model)
+    return manifest
+
+
+def _full_stage_buffer(reader: TensorReader, kind: str, model) -> np.ndarray:
+    """A flat buffer laid out like model.store.data holding this rank's shards of `kind`.
+    The last stage's tied head asks for embedding.token.weight like the first: one file."""
+    store = model.store
+    flat = np.zeros(store.size, store.dtype)
+    try:
+        fill_from_full(model, flat, reader.getter(kind, store.dtype))
+    except ValueError as error:
+        raise UserError(f"checkpoint {reader.path} does not fit this model: {error}") from None
+    return flat
+
+
+def _on_every_rank(comm, attempt):
+    """Run attempt() on every rank of comm; if it fails on any, it fails on all.
+
+    The checks are deterministic, so normally every rank fails alike; this agreement
+    covers the rest (a file only one stage reads, an I/O error on one host), so that
+    one rank's failure never leaves the others waiting in the next collective.
+    """
+    error = None
+    try:
+        result = attempt()
+    except Exception as caught:   # noqa: BLE001 -- re-raised below, on this rank and the others
+        error = caught
+    # The lowest failing rank speaks for all: encode it so that MAX finds it.
+    code = comm.all_reduce_object_max(comm.size - comm.rank if error is not None else 0)
+    if code == 0:
+        return result
+    speaker = comm.size - code
+    told = comm.broadcast_object((isinstance(error, UserError), str(error)) if comm.rank == speaker else None,
+                                 root=speaker)
+    if error is not None:
+        raise error
+    is_user_error, message = told
+    raise UserError(message if is_user_error else f"loading the checkpoint failed on rank {speaker}: {message}")

@@ -1,0 +1,238 @@
+"""Checkpoints on one process: exact round trip, format, atomicity, every refusal, .npz."""
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from numpitron.checkpoint import (export_npz, import_npz, latest_checkpoint, load_checkpoint,
+                                  load_model_weights, read_manifest, save_checkpoint)
+from numpitron.checkpoint.manifest import file_checksum
+from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
+from numpitron.distributed.topology import Topology
+from numpitron.errors import UserError
+from numpitron.model import GPTStage
+from numpitron.trainer import Trainer
+
+MODEL = ModelConfig(vocab_size=65, seq_len=16, n_layers=2, n_heads=2, d_model=32, dtype="float64")
+TRAIN = TrainConfig(micro_batch_size=2, global_batch_size=4, max_iters=10, warmup_iters=2, seed=1,
+                    eval_iters=1, eval_interval=1)
+TOKENS = np.random.default_rng(0).integers(0, 65, 5000).astype(np.uint16)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_trainer(model_cfg=MODEL) -> Trainer:
+    return Trainer(model_cfg, ParallelConfig(), TRAIN, Topology.serial())
+
+
+def train(trainer: Trainer, steps: int) -> list[float]:
+    return [trainer.train_step(TOKENS)["train_loss"] for _ in range(steps)]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One checkpoint after 3 steps, and the trainer that wrote it. Tests that damage
+    a checkpoint work on a copy (see `copy_of`)."""
+    trainer = make_trainer()
+    train(trainer, 3)
+    trainer.best_val_loss = 3.25
+    path = save_checkpoint(tmp_path_factory.mktemp("saved"), trainer)
+    return path, trainer
+
+
+@pytest.fixture
+def copy_of(saved, tmp_path):
+    path = tmp_path / "ckpt" / saved[0].name
+    shutil.copytree(saved[0], path)
+    return path
+
+
+def rewrite_manifest(path: Path, edit) -> None:
+    manifest = json.loads((path / "manifest.json").read_text())
+    edit(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def expect_load_error(path: Path, *fragments: str) -> str:
+    with pytest.raises(UserError) as caught:
+        load_checkpoint(path, make_trainer())
+    message = str(caught.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def test_round_trip_is_exact_and_training_continues_identically(tmp_path):
+    trainer = make_trainer()
+    train(trainer, 3)
+    trainer.best_val_loss = 3.25
+    path = save_checkpoint(tmp_path, trainer)
+    fresh = make_trainer()
+    manifest = load_checkpoint(path, fresh)
+    assert manifest["iteration"] == 3
+    assert np.array_equal(fresh.model.store.data, trainer.model.store.data)
+    assert np.array_equal(fresh.optimizer.adam.m, trainer.optimizer.adam.m)
+    assert np.array_equal(fresh.optimizer.adam.v, trainer.optimizer.adam.v)
+    assert fresh.optimizer.adam.step_count == trainer.optimizer.adam.step_count == 3
+    assert fresh.iteration == 3 and fresh.best_val_loss == 3.25
+    assert train(fresh, 2) == train(trainer, 2)
+
+
+def test_round_trip_continues_like_an_uninterrupted_run(tmp_path):
+    straight = make_trainer()
+    expected = train(straight, 5)
+    first = make_trainer()
+    train(first, 3)
+    resumed = make_trainer()
+    load_checkpoint(save_checkpoint(tmp_path, first), resumed)
+    assert train(resumed, 2) == expected[3:]
+    assert resumed.best_val_loss == float("inf")     # never evaluated: null in JSON, inf again
+
+
+def test_manifest_and_tensors_have_full_logical_shapes(saved):
+    path, trainer = saved
+    manifest = read_manifest(path)
+    assert manifest["format_version"] == 1 and manifest["adam_step"] == 3 and manifest["best_val_loss"] == 3.25
+    assert manifest["data_state"] == {"sampler": "seeded-per-iteration", "seed": 1, "next_iteration": 3}
+    assert manifest["parallel_config"]["tensor"] == 1 and manifest["parallel_config"]["zero_stage"] == 0
+    names = [p.name for p in trainer.model.params]
+    assert set(manifest["tensors"]) == {f"{k}/{n}.npy" for k in ("params", "adam_m", "adam_v") for n in names}
+    for relpath, entry in manifest["tensors"].items():
+        array = np.load(path / relpath, allow_pickle=False)
+        assert array.dtype == np.float64 and list(array.shape) == entry["shape"]
+    assert manifest["tensors"]["params/embedding.token.weight.npy"]["shape"] == [65, 32]
+    assert (path.parent / "latest").read_text().strip() == path.name
+
+
+def test_latest_ignores_crash_leftovers_and_the_next_save_removes_them(tmp_path):
+    trainer = make_trainer()
+    first = save_checkpoint(tmp_path, trainer)
+    (tmp_path / ".tmp-iter_000009-123").mkdir()                 # a crash mid-write
+    (tmp_path / "iter_000008" / "params").mkdir(parents=True)   # no manifest: incomplete
+    (tmp_path / "latest").write_text("iter_000008\n")          # pointing at it
+    assert latest_checkpoint(tmp_path) == first
+    (tmp_path / "latest").unlink()
+    assert latest_checkpoint(tmp_path) == first
+    assert latest_checkpoint(tmp_path / "nowhere") is None
+    train(trainer, 1)
+    second = save_checkpoint(tmp_path, trainer)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_000000", "iter_000001", "latest"]
+    assert latest_checkpoint(tmp_path) == second
+
+
+def test_keep_prunes_to_the_newest_but_spares_protect(tmp_path):
+    trainer = make_trainer()
+    best = save_checkpoint(tmp_path, trainer, keep=2)           # iter 0: the "best" one
+    for _ in range(3):
+        train(trainer, 1)
+        last = save_checkpoint(tmp_path, trainer, keep=2, protect=best)
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_000000", "iter_000002", "iter_000003"]
+    save_checkpoint(tmp_path, trainer, keep=1)                   # re-save of iteration 3, no protect
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_000003"]
+    assert latest_checkpoint(tmp_path) == last
+    load_checkpoint(last, make_trainer())                        # the replaced copy is whole
+
+
+def test_save_failure_is_a_user_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(UserError, match="cannot write checkpoint to"):
+        save_checkpoint(blocker, make_trainer())
+
+
+def test_model_config_mismatch_names_every_field(saved):
+    other = replace(MODEL, n_layers=4, d_model=64)
+    with pytest.raises(UserError) as caught:
+        load_checkpoint(saved[0], make_trainer(other))
+    assert str(caught.value) == "checkpoint model config differs from the flags: n_layers 2 != 4, d_model 32 != 64"
+    with pytest.raises(UserError, match="n_heads 2 != 4"):
+        load_model_weights(saved[0], GPTStage(replace(MODEL, n_heads=4), Topology.serial()),
+                           replace(MODEL, n_heads=4))
+
+
+def test_truncated_tensor_is_refused(copy_of):
+    target = copy_of / "adam_v" / "blocks.1.mlp.fc.weight.npy"
+    target.write_bytes(target.read_bytes()[:-100])
+    expect_load_error(copy_of, "adam_v/blocks.1.mlp.fc.weight.npy", "bytes", "truncated")
+
+
+def test_flipped_byte_fails_the_checksum(copy_of):
+    target = copy_of / "params" / "ln_f.weight.npy"
+    data = bytearray(target.read_bytes())
+    data[-3] ^= 0x01
+    target.write_bytes(bytes(data))
+    expect_load_error(copy_of, "params/ln_f.weight.npy", "fails its crc32 checksum")
+
+
+def test_newer_format_version_is_refused(copy_of):
+    rewrite_manifest(copy_of, lambda m: m.update(format_version=2))
+    message = expect_load_error(copy_of)
+    assert message == "checkpoint format version 2 is newer than this numpitron supports (1); upgrade numpitron"
+
+
+def test_object_array_that_needs_pickle_is_refused(copy_of):
+    relpath = "params/ln_f.bias.npy"
+    np.save(copy_of / relpath, np.array([{"evil": 1}] * 32, dtype=object), allow_pickle=True)
+    # Size and checksum updated, so only the pickle check can object.
+    size, crc = (copy_of / relpath).stat().st_size, file_checksum(copy_of / relpath)
+    rewrite_manifest(copy_of, lambda m: m["tensors"][relpath].update(bytes=size, crc32=crc))
+    expect_load_error(copy_of, relpath, "would need pickle; refusing to load")
+
+
+def test_missing_or_broken_manifest_is_refused(copy_of, tmp_path):
+    (copy_of / "manifest.json").write_text("{not json")
+    expect_load_error(copy_of, "unreadable checkpoint manifest")
+    (copy_of / "manifest.json").unlink()
+    expect_load_error(copy_of, "manifest.json is missing")
+    expect_load_error(tmp_path / "no-such-dir", "checkpoint not found")
+
+
+def test_missing_tensor_file_is_refused(copy_of):
+    (copy_of / "adam_m" / "embedding.position.weight.npy").unlink()
+    expect_load_error(copy_of, "adam_m/embedding.position.weight.npy is missing")
+
+
+def test_load_model_weights_restores_parameters_only(saved):
+    path, trainer = saved
+    model = GPTStage(MODEL, Topology.serial(), seed=99)
+    manifest = load_model_weights(path, model, MODEL)
+    assert manifest["iteration"] == 3
+    assert np.array_equal(model.store.data, trainer.model.store.data)
+
+
+def test_npz_export_import_round_trip(saved, tmp_path):
+    path, trainer = saved
+    archive = export_npz(path, tmp_path / "weights.npz")
+    with np.load(archive, allow_pickle=False) as npz:
+        assert json.loads(str(npz["__model_config__"][()]))["d_model"] == 32
+        assert npz["embedding.token.weight"].shape == (65, 32)
+    imported = import_npz(archive, tmp_path / "root")
+    assert imported == tmp_path / "root" / "iter_000000" == latest_checkpoint(tmp_path / "root")
+    fresh = make_trainer()
+    fresh.optimizer.adam.m += 1.0                  # must be reset by the import's zero moments
+    manifest = load_checkpoint(imported, fresh)
+    assert manifest["iteration"] == 0 and manifest["adam_step"] == 0
+    assert np.array_equal(fresh.model.store.data, trainer.model.store.data)
+    assert not fresh.optimizer.adam.m.any() and fresh.optimizer.adam.step_count == 0
+
+
+def run_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "numpitron.checkpoint.convert", *map(str, args)],
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+
+
+def test_convert_cli_prints_one_line_and_reports_errors(saved, tmp_path):
+    done = run_cli("export", saved[0], tmp_path / "w.npz")
+    assert done.returncode == 0 and done.stderr == "" and len(done.stdout.splitlines()) == 1, done
+    done = run_cli("import", tmp_path / "w.npz", tmp_path / "root")
+    assert done.returncode == 0 and done.stderr == "" and len(done.stdout.splitlines()) == 1, done
+    assert (tmp_path / "root" / "iter_000000" / "manifest.json").is_file()
+    failed = run_cli("export", tmp_path / "no-such-checkpoint", tmp_path / "x.npz")
+    assert failed.returncode == 1 and failed.stdout == ""
+    assert failed.stderr.startswith("error: checkpoint not found") and len(failed.stderr.splitlines()) == 1

@@ -1,0 +1,125 @@
+"""Checkpoints across meshes: what one layout saves, any other layout resumes exactly.
+
+Each test trains on one mesh, saves, rebuilds the same ranks as a different mesh,
+loads and continues; the losses must be those of one uninterrupted serial run
+(computed inside every rank: a serial Trainer communicates with nobody).
+"""
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from numpitron.checkpoint import latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint
+from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
+from numpitron.distributed.gather import gather_full
+from numpitron.distributed.topology import Topology
+from numpitron.errors import UserError
+from numpitron.trainer import Trainer
+from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
+
+MODEL = ModelConfig(vocab_size=65, seq_len=16, n_layers=2, n_heads=2, d_model=32, dtype="float64")
+TOKENS = np.random.default_rng(0).integers(0, 65, 5000).astype(np.uint16)
+
+
+def train_cfg(micro_batch_size=2) -> TrainConfig:
+    # The global batch stays 4 on every mesh, so every mesh trains on the same data.
+    return TrainConfig(micro_batch_size=micro_batch_size, global_batch_size=4, max_iters=10, warmup_iters=2,
+                       seed=1, eval_iters=1, eval_interval=1)
+
+
+def mesh_trainer(tensor=1, pipeline=1, data=1, zero_stage=0, micro_batch_size=2) -> Trainer:
+    parallel = ParallelConfig(tensor=tensor, pipeline=pipeline, data=data, zero_stage=zero_stage).validate(MODEL)
+    return Trainer(MODEL, parallel, train_cfg(micro_batch_size), Topology.from_world(tensor, pipeline, data))
+
+
+def train(trainer: Trainer, steps: int) -> list[float]:
+    return [trainer.train_step(TOKENS)["train_loss"] for _ in range(steps)]
+
+
+@pytest.fixture
+def shared_dir(request):
+    """One directory for all ranks (tmp_path differs per rank): made by rank 0 under
+    /tmp from the test's name, its path broadcast, removed once every rank is done."""
+    comm = MPI.COMM_WORLD
+    path = None
+    if comm.rank == 0:
+        path = Path(tempfile.gettempdir()) / f"numpitron-{request.node.name}-{os.getpid()}"
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+    path = Path(comm.bcast(str(path) if path else None, root=0))
+    yield path
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def full_state(trainer: Trainer) -> dict | None:
+    """{params, adam_m, adam_v: {name: full tensor}} on world rank 0 (collective)."""
+    m, v = trainer.optimizer.full_moments()
+    return gather_full(trainer.model, trainer.topo,
+                       {"params": trainer.model.store.data, "adam_m": m, "adam_v": v})
+
+
+@pytest.mark.parallel(nprocs=4)
+def test_tp2_pp2_checkpoint_resumes_on_dp4_zero1_and_tp2_dp2_zero1(shared_dir):
+    serial = Trainer(MODEL, ParallelConfig(), train_cfg(), Topology.serial())
+    expected = train(serial, 6)
+
+    source = mesh_trainer(tensor=2, pipeline=2)
+    assert rel_diff(train(source, 3), expected[:3]) <= EQUIV_RTOL_FLOAT64
+    path = save_checkpoint(shared_dir, source)
+    assert path == shared_dir / "iter_000003" and latest_checkpoint(shared_dir) == path
+    manifest = read_manifest(path)
+    assert (manifest["parallel_config"]["tensor"], manifest["parallel_config"]["pipeline"]) == (2, 2)
+    # The vocabulary is padded to 66 rows on tp=2; the file holds the logical 65.
+    assert manifest["tensors"]["params/embedding.token.weight.npy"]["shape"] == [65, 32]
+
+    for mesh in (dict(data=4, zero_stage=1, micro_batch_size=1), dict(tensor=2, data=2, zero_stage=1)):
+        resumed = mesh_trainer(**mesh)
+        load_checkpoint(path, resumed)
+        assert resumed.iteration == 3 and resumed.optimizer.adam.step_count == 3
+        losses = train(resumed, 3)
+        assert rel_diff(losses, expected[3:]) <= EQUIV_RTOL_FLOAT64, (mesh, losses, expected[3:])
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_tp2_zero0_state_loads_exactly_on_dp2_zero1(shared_dir):
+    source = mesh_trainer(tensor=2)
+    train(source, 3)
+    source.best_val_loss = 4.5
+    saved = full_state(source)
+    path = save_checkpoint(shared_dir, source)
+
+    resumed = mesh_trainer(data=2, zero_stage=1)
+    load_checkpoint(path, resumed)
+    assert (resumed.iteration, resumed.best_val_loss, resumed.optimizer.adam.step_count) == (3, 4.5, 3)
+    # Each rank holds only its half of m and v: their gather must be the saved state.
+    loaded = full_state(resumed)
+    if MPI.COMM_WORLD.rank == 0:
+        for kind in ("params", "adam_m", "adam_v"):
+            assert saved[kind].keys() == loaded[kind].keys()
+            for name in saved[kind]:
+                assert np.array_equal(saved[kind][name], loaded[kind][name]), (kind, name)
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_failures_on_one_rank_fail_every_rank(shared_dir):
+    trainer = mesh_trainer(data=2)
+    blocker = shared_dir / "a-file"
+    if MPI.COMM_WORLD.rank == 0:
+        blocker.write_text("not a directory")
+    MPI.COMM_WORLD.barrier()
+    # Rank 0 cannot write: every rank raises instead of waiting for it.
+    with pytest.raises(UserError, match="cannot write checkpoint to"):
+        save_checkpoint(blocker, trainer)
+    path = save_checkpoint(shared_dir / "ckpts", trainer)
+    # Only rank 1's flags disagree with the checkpoint; rank 0 must not go on alone.
+    flags = ModelConfig(**{**MODEL.__dict__, "n_layers": 4}) if MPI.COMM_WORLD.rank == 1 else MODEL
+    odd = Trainer(flags, ParallelConfig(data=2), train_cfg(), trainer.topo)
+    with pytest.raises(UserError, match="n_layers 2 != 4"):
+        load_checkpoint(path, odd)
