@@ -118,6 +118,7 @@ def main():
     args = parse_args()
     world = MPI.COMM_WORLD
     dtype = np.dtype(args.dtype)
+    loadavg = os.getloadavg()[0]
     baseline_rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
     # The peak: all ranks at once on their own thread. 768 x 128 @ 128 x 512 is the
@@ -184,8 +185,8 @@ def main():
         "model": {"n_layers": args.n_layers, "n_heads": args.n_heads, "d_model": args.d_model,
                   "seq_len": args.seq_len, "vocab": VOCAB, "flops_params": n_params},
         "dtype": args.dtype,
-        # Shared machine: another job's load skews every figure, so record it.
-        "loadavg_1min_at_end": round(os.getloadavg()[0], 2),
+        # On a shared machine another job's load skews every figure: record it.
+        "loadavg_1min_at_start": round(loadavg, 2),
         "iters": args.iters,
         "tokens_per_iter": tokens_per_iter,
         "ms_per_iter_median": round(ms, 2),
