@@ -23,6 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from numpitron.runtime import configure_process  # noqa: E402
 
 configure_process(sys.argv)   # one BLAS thread per rank: must precede `import numpy`
+if "--malloc-keep" in sys.argv:
+    from malloc_tuning import keep_freed_memory   # this script's directory is on sys.path
+    keep_freed_memory()
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
@@ -48,14 +51,14 @@ def parse_args():
     p.add_argument("--zero-stage", type=int, choices=[0, 1], default=0)
     p.add_argument("--micro-batch-size", type=int, default=12)
     p.add_argument("--global-batch-size", type=int, default=0, help="default: micro batch x dp")
-    p.add_argument("--n-layers", type=int, default=4)
-    p.add_argument("--n-heads", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--seq-len", type=int, default=64)
+    for flag, default in (("--n-layers", 4), ("--n-heads", 4), ("--d-model", 128), ("--seq-len", 64)):
+        p.add_argument(flag, type=int, default=default)
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--blas-threads", type=int, default=1, help="read by configure_process before NumPy starts")
+    p.add_argument("--malloc-keep", action="store_true",
+                   help="experiment: stop glibc returning freed memory to the OS (see malloc_tuning.py)")
     return p.parse_args()
 
 
@@ -85,7 +88,8 @@ def time_mpi_calls() -> None:
 
 
 def sgemm_gflops(m: int, k: int, n: int, dtype, reps: int) -> float:
-    """Median GFLOP/s of (m, k) @ (k, n) on this rank's BLAS thread(s), with `out=`."""
+    """Median GFLOP/s of (m, k) @ (k, n) on this rank's BLAS thread(s), with `out=`
+    (sgemm in float32, dgemm with --dtype float64: the peak is in the training dtype)."""
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
     out = np.empty((m, n), dtype)
@@ -96,6 +100,18 @@ def sgemm_gflops(m: int, k: int, n: int, dtype, reps: int) -> float:
         np.matmul(a, b, out=out)
         times.append(time.perf_counter() - start)
     return 2 * m * k * n / np.median(times) / 1e9
+
+
+def cpu_jiffies():
+    """(busy, total) CPU time of the whole machine from /proc/stat, in seconds; None
+    off Linux. Busy time not spent by our ranks is another job's: it skews the run."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks) - ticks[3] - ticks[4]) / hz, sum(ticks) / hz      # idle, iowait
 
 
 def flops_per_token(cfg: ModelConfig) -> tuple[int, int]:
@@ -114,24 +130,10 @@ def flops_per_token(cfg: ModelConfig) -> tuple[int, int]:
     return n, 6 * n + 12 * L * C * T
 
 
-def main():
-    args = parse_args()
-    world = MPI.COMM_WORLD
-    dtype = np.dtype(args.dtype)
-    loadavg = os.getloadavg()[0]
-    baseline_rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-    # The peak: all ranks at once on their own thread. 768 x 128 @ 128 x 512 is the
-    # default model's MLP up-projection (N = B*T = 768); 1024^3 is the BLAS ceiling.
-    world.Barrier()
-    gflops_small = sgemm_gflops(768, 128, 512, dtype, reps=50)
-    world.Barrier()
-    gflops_large = sgemm_gflops(1024, 1024, 1024, dtype, reps=10)
-    gemm = world.gather((gflops_small, gflops_large), root=0)
-
+def build_trainer(args):
     model_cfg = ModelConfig(vocab_size=VOCAB, seq_len=args.seq_len, n_layers=args.n_layers,
                             n_heads=args.n_heads, d_model=args.d_model, dtype=args.dtype).validate()
-    if world.Get_size() == 1:
+    if MPI.COMM_WORLD.Get_size() == 1:
         topo = Topology.serial()       # the single-process code path, as train_shakespeare uses
     else:
         topo = Topology.from_world(args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size)
@@ -139,16 +141,16 @@ def main():
                                   zero_stage=args.zero_stage).validate(model_cfg)
     train_cfg = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                             max_iters=args.warmup + args.iters, warmup_iters=0).validate()
-    trainer = Trainer(model_cfg, parallel_cfg, train_cfg, topo)
-    # Same seed on every rank: every rank must see the same token stream.
-    tokens = np.random.default_rng(0).integers(0, VOCAB, N_TOKENS).astype(np.uint16)
-    time_mpi_calls()
+    return Trainer(model_cfg, parallel_cfg, train_cfg, topo)
 
-    for _ in range(args.warmup):
-        trainer.train_step(tokens)
-    topo.stats.reset()
+
+def timed_steps(trainer, tokens, iters: int, world) -> dict:
+    """This rank's measurements over `iters` steps, each started by a barrier."""
     step_s, mpi_s, bubbles = [], [], []
-    for _ in range(args.iters):
+    trainer.topo.stats.reset()
+    world.Barrier()
+    cpu0, faults0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(iters):
         world.Barrier()                        # every rank starts the step together
         mpi_seconds["total"] = 0.0
         start = time.perf_counter()
@@ -157,26 +159,51 @@ def main():
         mpi_s.append(mpi_seconds["total"])
         stats = trainer.last_pipeline_stats
         bubbles.append((stats.busy_s, stats.wall_s))
+    return {"step_s": step_s, "comm_fraction": sum(mpi_s) / sum(step_s), "bubbles": bubbles,
+            "own_cpu_s": time.process_time() - cpu0,
+            # Minor page faults: memory glibc gave back to the OS and a later step touched again.
+            "page_faults_per_iter": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / iters,
+            "comm_bytes_per_iter": trainer.topo.stats.total_bytes() / iters,
+            "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,     # Linux: KiB
+            "optimizer_state_bytes": trainer.optimizer.state_nbytes()}
 
+
+def main():
+    args = parse_args()
+    world = MPI.COMM_WORLD
+    loadavg, baseline_rss_kb = os.getloadavg()[0], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # The peak: all ranks at once on their own thread. 768 x 128 @ 128 x 512 is the
+    # default model's MLP up-projection (N = B*T = 768); 1024^3 is the BLAS ceiling.
+    world.Barrier()
+    gflops_small = sgemm_gflops(768, 128, 512, np.dtype(args.dtype), reps=50)
+    world.Barrier()
+    gflops_large = sgemm_gflops(1024, 1024, 1024, np.dtype(args.dtype), reps=20)
+    gemm = world.gather((gflops_small, gflops_large), root=0)
+
+    trainer = build_trainer(args)
+    topo = trainer.topo
+    # Same seed on every rank: every rank must see the same token stream.
+    tokens = np.random.default_rng(0).integers(0, VOCAB, N_TOKENS).astype(np.uint16)
+    time_mpi_calls()
+    for _ in range(args.warmup):
+        trainer.train_step(tokens)
+    machine0 = cpu_jiffies() if world.Get_rank() == 0 else None
+    mine = timed_steps(trainer, tokens, args.iters, world)
+    world.Barrier()
+    machine1 = cpu_jiffies() if world.Get_rank() == 0 else None
     # The iteration time is the slowest rank's: reduce per-step times with MAX.
-    slowest = np.array(step_s)
+    slowest = np.array(mine.pop("step_s"))
     world.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
-    per_rank = world.gather({
-        "comm_fraction": sum(mpi_s) / sum(step_s),
-        "comm_bytes_per_iter": topo.stats.total_bytes() / args.iters,
-        "bubbles": bubbles,
-        "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-        "optimizer_state_bytes": trainer.optimizer.state_nbytes(),
-    }, root=0)
+    ranks = world.gather(mine, root=0)
     if world.Get_rank() != 0:
         return
 
-    n_ranks = world.Get_size()
-    tokens_per_iter = trainer.global_batch_size * args.seq_len
+    n_ranks, tokens_per_iter = world.Get_size(), trainer.global_batch_size * args.seq_len
     ms = float(np.median(slowest)) * 1e3
-    n_params, flops_tok = flops_per_token(model_cfg)
+    n_params, flops_tok = flops_per_token(trainer.model_cfg)
     achieved = flops_tok * tokens_per_iter / (ms / 1e3) / 1e9
     peak_per_rank = float(np.mean([large for _, large in gemm]))
+    snapshot = topo.stats.snapshot()
     result = {
         "mesh": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "world": n_ranks,
                  "schedule": args.pipeline_schedule if topo.pp > 1 else None, "zero_stage": args.zero_stage,
@@ -184,10 +211,10 @@ def main():
                  "num_microbatches": trainer.num_microbatches},
         "model": {"n_layers": args.n_layers, "n_heads": args.n_heads, "d_model": args.d_model,
                   "seq_len": args.seq_len, "vocab": VOCAB, "flops_params": n_params},
-        "dtype": args.dtype,
+        "dtype": args.dtype, "iters": args.iters, "malloc_keep": args.malloc_keep,
+        "env": {v: os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "MPIR_CVAR_ENABLE_HEAVY_YIELD")},
         # On a shared machine another job's load skews every figure: record it.
         "loadavg_1min_at_start": round(loadavg, 2),
-        "iters": args.iters,
         "tokens_per_iter": tokens_per_iter,
         "ms_per_iter_median": round(ms, 2),
         "ms_per_iter_min": round(float(slowest.min()) * 1e3, 2),
@@ -199,20 +226,24 @@ def main():
         "peak_gflops_per_rank": round(peak_per_rank, 1),
         "peak_gflops_total": round(peak_per_rank * n_ranks, 1),
         "mfu": round(achieved / (peak_per_rank * n_ranks), 4),
-        "comm_bytes_per_iter": topo.stats.total_bytes() / args.iters,     # rank 0's
-        "comm_bytes_per_iter_by_kind": {k: v["bytes"] / args.iters for k, v in topo.stats.snapshot().items()},
-        "comm_calls_per_iter_by_kind": {k: v["calls"] / args.iters for k, v in topo.stats.snapshot().items()},
-        "comm_bytes_per_iter_per_rank": [r["comm_bytes_per_iter"] for r in per_rank],
-        "comm_fraction": round(float(np.mean([r["comm_fraction"] for r in per_rank])), 4),
-        "comm_fraction_per_rank": [round(r["comm_fraction"], 4) for r in per_rank],
-        "peak_rss_mb": round(max(r["peak_rss_kb"] for r in per_rank) / 1024, 1),   # Linux: KiB
+        "comm_bytes_per_iter": ranks[0]["comm_bytes_per_iter"],
+        "comm_bytes_per_iter_by_kind": {k: v["bytes"] / args.iters for k, v in snapshot.items()},
+        "comm_calls_per_iter_by_kind": {k: v["calls"] / args.iters for k, v in snapshot.items()},
+        "comm_bytes_per_iter_per_rank": [r["comm_bytes_per_iter"] for r in ranks],
+        "comm_fraction": round(float(np.mean([r["comm_fraction"] for r in ranks])), 4),
+        "comm_fraction_per_rank": [round(r["comm_fraction"], 4) for r in ranks],
+        "peak_rss_mb": round(max(r["peak_rss_kb"] for r in ranks) / 1024, 1),
         "baseline_rss_mb_rank0": round(baseline_rss_kb / 1024, 1),
-        "optimizer_state_bytes_per_rank": [r["optimizer_state_bytes"] for r in per_rank],
+        "optimizer_state_bytes_per_rank": [r["optimizer_state_bytes"] for r in ranks],
+        "page_faults_per_iter_per_rank": [round(r["page_faults_per_iter"]) for r in ranks],
     }
+    if machine0 and machine1 and machine1[1] > machine0[1]:
+        busy, total = machine1[0] - machine0[0], machine1[1] - machine0[1]
+        result["foreign_cpu_share"] = round(max(0.0, busy - sum(r["own_cpu_s"] for r in ranks)) / total, 3)
     if topo.pp > 1:
         # Bubble of one iteration: idle share of all stages' schedule time (the
         # optimizer step is outside it), i.e. 1 - sum(busy) / sum(wall) over stages.
-        per_iter = [1 - sum(r["bubbles"][i][0] for r in per_rank) / sum(r["bubbles"][i][1] for r in per_rank)
+        per_iter = [1 - sum(r["bubbles"][i][0] for r in ranks) / sum(r["bubbles"][i][1] for r in ranks)
                     for i in range(args.iters)]
         P, m = topo.pp, trainer.num_microbatches
         result["pipeline_bubble_measured_median"] = round(float(np.median(per_iter)), 4)

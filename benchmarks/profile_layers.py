@@ -1,17 +1,22 @@
 """Where one training step's time goes: median forward and backward per layer type,
 the optimizer, the whole step, and the matmul-only lower bound.
 
-    python benchmarks/profile_layers.py [--reps 50] [--json-only]
+    python benchmarks/profile_layers.py [--reps 50] [--json-only] [--malloc-keep]
 
 One process, one BLAS thread, float32, the default model (B=12 T=64 C=128 H=4 L=4,
 V=65). Layers are the library's own objects, fed real activations; the attention and
 MLP sub-steps repeat the library's NumPy calls one by one (keep them in step with
 nn/attention.py and nn/mlp.py). In-place kernels get a fresh copy of their input
 before every repetition, outside the timer.
+
+Run it with and without --malloc-keep: with glibc's defaults, freed activations
+go back to the OS and are page-faulted in again, and that cost lands on whichever
+layer allocates (it dominates GELU and AdamW; see malloc_tuning.py).
 """
 
 import argparse
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -20,6 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from numpitron.runtime import configure_process  # noqa: E402
 
 configure_process(["--blas-threads", "1"])   # before NumPy: one BLAS thread
+if "--malloc-keep" in sys.argv:
+    from malloc_tuning import keep_freed_memory   # this script's directory is on sys.path
+    keep_freed_memory()
 
 import numpy as np  # noqa: E402
 
@@ -141,6 +149,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=REPS)
     p.add_argument("--json-only", action="store_true")
+    p.add_argument("--malloc-keep", action="store_true", help="experiment: see malloc_tuning.py")
     args = p.parse_args()
     REPS = args.reps
     cfg = ModelConfig()
@@ -191,7 +200,10 @@ def main():
     rows["data: global batch"] = (median_ms(lambda _: trainer.microbatches(tokens, "train", 1)), 0.0)
     rows["zero_grad"] = (0.0, median_ms(lambda _: model.store.zero_grad()))
     rows["optimizer step (norm+clip+AdamW)"] = (0.0, median_ms(lambda _: trainer.optimizer.step(1e-4)))
-    rows["train_step (total)"] = (median_ms(lambda _: trainer.train_step(tokens), reps=max(10, REPS // 2)), 0.0)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step_reps = max(10, REPS // 2)
+    rows["train_step (total)"] = (median_ms(lambda _: trainer.train_step(tokens), reps=step_reps), 0.0)
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / (step_reps + 2)
     L = cfg.n_layers
     counts.update({"embedding (token+position)": 1, "layernorm": 2 * L + 1, "block (whole)": L, "head (tied)": 1,
                    "cross-entropy": 1, "data: global batch": 1, "zero_grad": 1, "optimizer step (norm+clip+AdamW)": 1,
@@ -210,6 +222,8 @@ def main():
                                 "step_ms": round((f + b) * counts[n], 3)}
                             for n, (f, b) in rows.items()},
               "train_step_ms": round(step_ms, 3),
+              "train_step_page_faults": round(faults),
+              "malloc_keep": args.malloc_keep,
               "sum_of_parts_ms": round(parts_ms, 3),
               "matmul_lower_bound_ms": round(mm_alloc, 3),
               "matmul_lower_bound_out_ms": round(mm_out, 3),
@@ -221,7 +235,8 @@ def main():
         for name, (f, b) in rows.items():
             n, indent = counts[name], "  " if name.startswith(("attn.", "mlp.")) else ""
             print(f"{indent + name:36s} {f:8.3f} {b:8.3f} {n:6d} {(f + b) * n:8.3f} {100 * (f + b) * n / step_ms:6.1f}%")
-        print(f"sum of parts {parts_ms:.2f} ms vs measured step {step_ms:.2f} ms; matmuls alone "
+        print(f"sum of parts {parts_ms:.2f} ms vs measured step {step_ms:.2f} ms "
+              f"({faults:.0f} page faults per step); matmuls alone "
               f"{mm_alloc:.2f} ms with @ ({mm_out:.2f} ms with out=), {gflop:.3f} GFLOP "
               f"= {gflop / (mm_out / 1e3):.0f} GFLOP/s")
     print(json.dumps(report))

@@ -75,21 +75,16 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
         if not math.isfinite(step["train_loss"]):
             raise UserError(f"training diverged at iteration {it}: loss is {step['train_loss']}")
         is_eval = it % train_cfg.eval_interval == 0 or it == train_cfg.max_iters
+        improved = False
         if is_eval:
             last_eval = trainer.evaluate(splits, train_cfg.eval_iters)
-            record["val_loss"] = last_eval["val"]
-            record["eval_train_loss"] = last_eval["train"]
-            if last_eval["val"] < trainer.best_val_loss:
-                trainer.best_val_loss = last_eval["val"]
-                best_ckpt = save("best", protect=best_ckpt)
-                saved = True
-            else:
-                saved = False
-        else:
-            saved = False
-        periodic = train_cfg.save_interval and it % train_cfg.save_interval == 0
-        if not saved and (periodic or it == train_cfg.max_iters):
-            save("final" if it == train_cfg.max_iters else "interval", protect=best_ckpt)
+            record.update(val_loss=last_eval["val"], eval_train_loss=last_eval["train"])
+            improved = last_eval["val"] < trainer.best_val_loss
+            trainer.best_val_loss = min(trainer.best_val_loss, last_eval["val"])
+        reason = checkpoint_reason(it, improved, train_cfg)
+        if reason:
+            path = save(reason, protect=best_ckpt)
+            best_ckpt = path if reason == "best" else best_ckpt
         if is_eval or it % train_cfg.log_interval == 0 or it == train_cfg.max_iters:
             log.write(record)
             _report(bar, record, topo.is_logger)
@@ -99,6 +94,17 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
         bar.close()
     return {"iterations": trainer.iteration, "val_loss": last_eval.get("val"),
             "train_loss": last_eval.get("train"), "elapsed_s": time.perf_counter() - start, "trainer": trainer}
+
+
+def checkpoint_reason(iteration: int, improved: bool, cfg) -> str | None:
+    """Why to save after this iteration, if at all (one checkpoint per iteration)."""
+    if improved:
+        return "best"
+    if iteration == cfg.max_iters:
+        return "final"
+    if cfg.save_interval and iteration % cfg.save_interval == 0:
+        return "interval"
+    return None
 
 
 def best_checkpoint(root: Path):

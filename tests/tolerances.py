@@ -5,6 +5,7 @@ EQUIV_RTOL_FLOAT32 = 1e-5     # the same in float32
 FD_EPS = 1e-6                 # central finite-difference step (float64)
 FD_RTOL = 1e-6                # finite differences against the analytic backward
 FD_ATOL = 1e-9
+CLIP_RTOL = 1e-6              # clip_ divides by norm + 1e-6 (as torch's clip_grad_norm_)
 
 
 def rel_diff(actual, expected) -> float:

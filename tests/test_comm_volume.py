@@ -1,0 +1,183 @@
+"""Bytes moved per training iteration, against formulas derived from the config.
+
+Each test resets the topology's counters, runs one `train_step`, and compares the
+snapshot ({"<group>.<kind>": {"bytes", "calls"}}) with what the strategy must move:
+an all-reduce of b bytes over k ranks counts 2(k-1)/k * b, a reduce-scatter or an
+all-gather (k-1)/k of the full buffer, a send its buffer. Besides the strategy's own
+traffic, every iteration averages its loss over dp (1 float64 all-reduce), sends it
+from the last stage to the others (1 float64 broadcast over pp), and sums the squared
+gradient norm (1 float64 all-reduce over the model group, or the world under ZeRO-1);
+collectives over a group of one rank count nothing.
+All figures are all-gathered before asserting, so a failure never hangs the ranks.
+"""
+
+import math
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from numpitron.config import ParallelConfig
+from numpitron.distributed.sharding import pad_to_multiple
+from numpitron.trainer import Trainer
+from tests.harness import mesh_topology, tiny_model, tiny_tokens, tiny_train
+
+F64 = 8          # the loss and the squared norm travel as one float64
+
+
+def all_reduce_bytes(nbytes, k):
+    return 2 * (k - 1) / k * nbytes
+
+
+def make_trainer(dtype="float64", train=None, **parallel):
+    model_cfg = tiny_model(dtype)
+    topo = mesh_topology(**parallel)
+    cfg = ParallelConfig(**{"data": topo.dp, **parallel}).validate(model_cfg)
+    return Trainer(model_cfg, cfg, train or tiny_train(), topo)
+
+
+def one_step(trainer, tokens):
+    trainer.topo.stats.reset()
+    trainer.train_step(tokens)
+    return trainer.topo.stats.snapshot()
+
+
+def measured(snap, key, field="bytes"):
+    return snap.get(key, {}).get(field, 0)
+
+
+def assert_everywhere(checks: dict):
+    """checks: {name: (measured, expected)}; every rank sees every rank's mismatches."""
+    bad = {f"rank {r}: {k}": v for r, c in enumerate(MPI.COMM_WORLD.allgather(checks))
+           for k, v in c.items() if v[0] != v[1]}
+    assert not bad, bad
+
+
+def identical_over(comm, array):
+    copies = comm.mpi.allgather(array)
+    return all(np.array_equal(c, copies[0]) for c in copies)
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_data_parallel_zero0_and_zero1_volume():
+    tokens, bucket = tiny_tokens(), 10000
+    zero0 = make_trainer(data=2, bucket_size=bucket)
+    store, item, k = zero0.model.store, zero0.model.dtype.itemsize, 2
+    snap = one_step(zero0, tokens)
+    grad_bytes = all_reduce_bytes(store.size * item, k)
+    checks = {
+        "zero0 dp.all_reduce bytes": (measured(snap, "dp.all_reduce"), grad_bytes + all_reduce_bytes(F64, k)),
+        "zero0 dp.all_reduce calls": (measured(snap, "dp.all_reduce", "calls"), math.ceil(store.size / bucket) + 1),
+        "zero0 several buckets": (math.ceil(store.size / bucket) > 1, True),
+        "zero0 kinds": (sorted(snap), ["dp.all_reduce"]),
+        "zero0 state": (zero0.optimizer.state_nbytes(), 2 * store.size * item),
+    }
+
+    zero1 = make_trainer(data=2, zero_stage=1, bucket_size=bucket)
+    store1 = zero1.model.store
+    checks["zero1 store padded to dp"] = (store1.size, pad_to_multiple(store.numel, k))
+    checks["zero1 state"] = (zero1.optimizer.state_nbytes(), math.ceil(store1.size / k) * 2 * item)
+    for step in range(3):
+        snap = one_step(zero1, tokens)
+        rs, ag = measured(snap, "dp.reduce_scatter"), measured(snap, "dp.all_gather")
+        if step == 0:
+            checks.update({
+                "zero1 reduce_scatter": (rs, (k - 1) / k * store1.size * item),
+                "zero1 all_gather": (ag, (k - 1) / k * store1.size * item),
+                "zero1 rs + ag == zero0 all_reduce": (rs + ag, all_reduce_bytes(store1.size * item, k)),
+                "zero1 same store as zero0": (store1.size, store.size),
+                "zero1 loss all_reduce": (measured(snap, "dp.all_reduce"), all_reduce_bytes(F64, k)),
+                "zero1 norm over world": (measured(snap, "world.all_reduce"), all_reduce_bytes(F64, k)),
+                "zero1 kinds": (sorted(snap), ["dp.all_gather", "dp.all_reduce", "dp.reduce_scatter",
+                                               "world.all_reduce"]),
+            })
+        checks[f"zero1 params identical over dp after step {step + 1}"] = (
+            identical_over(zero1.topo.dp_comm, store1.data), True)
+    assert_everywhere(checks)
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_tensor_parallel_volume():
+    checks = {}
+    for dtype in ("float64", "float32"):
+        trainer = make_trainer(dtype, tensor=2)
+        cfg, m, k = trainer.model_cfg, trainer.num_microbatches, 2
+        item = np.dtype(dtype).itemsize
+        n_tokens = trainer.cfg.micro_batch_size * cfg.seq_len
+        activation = n_tokens * cfg.d_model * item
+        # per micro-batch: embedding forward 1, per block 2 forward ("g": attention and
+        # MLP output) + 2 backward ("f": qkv and fc input), head backward 1: each (N, C);
+        # cross-entropy: max, target logit and sum of exponentials, N values each.
+        per_mb = (1 + 4 * cfg.n_layers + 1) * activation + 3 * n_tokens * item
+        calls_per_mb = 1 + 4 * cfg.n_layers + 1 + 3
+        snap = one_step(trainer, tiny_tokens())
+        checks.update({
+            f"{dtype} micro-batches": (m, 4),
+            f"{dtype} tp.all_reduce bytes": (measured(snap, "tp.all_reduce"), m * all_reduce_bytes(per_mb, k)),
+            f"{dtype} tp.all_reduce calls": (measured(snap, "tp.all_reduce", "calls"), m * calls_per_mb),
+            f"{dtype} grad norm": (measured(snap, "model.all_reduce"), all_reduce_bytes(F64, k)),
+            f"{dtype} kinds": (sorted(snap), ["model.all_reduce", "tp.all_reduce"]),
+        })
+    assert_everywhere(checks)
+
+
+def pipeline_checks(trainer, snap, label):
+    """Send/recv, tied-embedding and control traffic of one pipeline iteration."""
+    topo, cfg, m = trainer.topo, trainer.model_cfg, trainer.num_microbatches
+    P, s, item = topo.pp, topo.pp_rank, trainer.model.dtype.itemsize
+    activation = trainer.cfg.micro_batch_size * cfg.seq_len * cfg.d_model * item
+    sends = (s < P - 1) + (s > 0)          # activations forward, gradients backward
+    ends = s in (0, P - 1)
+    vocab = pad_to_multiple(cfg.vocab_size, topo.tp)
+    return {
+        f"{label} pp.send": (measured(snap, "pp.send"), m * sends * activation),
+        f"{label} pp.recv": (measured(snap, "pp.recv"), m * sends * activation),
+        f"{label} embedding.all_reduce": (measured(snap, "embedding.all_reduce"),
+                                          all_reduce_bytes(vocab * cfg.d_model * item, 2) if ends else 0),
+        f"{label} loss broadcast": (measured(snap, "pp.broadcast"), F64),
+        f"{label} grad norm": (measured(snap, "model.all_reduce"), all_reduce_bytes(F64, P)),
+    }
+
+
+def peak_expected(schedule, m, P, stage):
+    return m if schedule == "gpipe" else min(P - stage, m)
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_pipeline_two_stages_volume_peak_and_tied_embedding():
+    checks, tokens = {}, tiny_tokens()
+    for schedule in ("gpipe", "1f1b"):
+        trainer = make_trainer(pipeline=2, schedule=schedule)
+        topo, m = trainer.topo, trainer.num_microbatches
+        checks[f"{schedule} m"] = (m, 4)
+        for step in range(3):
+            snap = one_step(trainer, tokens)
+            if step == 0:
+                checks.update(pipeline_checks(trainer, snap, schedule))
+                checks[f"{schedule} peak"] = (trainer.last_pipeline_stats.peak_in_flight,
+                                              peak_expected(schedule, m, topo.pp, topo.pp_rank))
+            weight = trainer.model.token_embedding.weight.data
+            checks[f"{schedule} tied copies equal after step {step + 1}"] = (
+                identical_over(topo.embedding_comm, weight), True)
+    assert_everywhere(checks)
+
+
+@pytest.mark.parallel(nprocs=4)
+def test_pipeline_four_stages_peak_in_flight():
+    checks, tokens = {}, tiny_tokens()
+    for schedule, global_batch in (("1f1b", 8), ("1f1b", 4), ("gpipe", 8)):
+        trainer = make_trainer(pipeline=4, schedule=schedule, train=tiny_train(global_batch_size=global_batch))
+        topo, m = trainer.topo, trainer.num_microbatches
+        label = f"{schedule} m={m}"
+        checks[f"{label} m"] = (m, global_batch // trainer.cfg.micro_batch_size)
+        for step in range(2):
+            snap = one_step(trainer, tokens)
+            checks[f"{label} peak step {step}"] = (trainer.last_pipeline_stats.peak_in_flight,
+                                                   peak_expected(schedule, m, topo.pp, topo.pp_rank))
+        checks.update(pipeline_checks(trainer, snap, label))
+        ends = topo.pp_rank in (0, topo.pp - 1)
+        weight = trainer.model.token_embedding.weight.data if ends else None
+        copies = MPI.COMM_WORLD.allgather(weight)
+        ends_equal = np.array_equal(copies[0], copies[-1])
+        checks[f"{label} tied copies equal"] = (ends_equal, True)
+    assert_everywhere(checks)

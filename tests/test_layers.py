@@ -1,0 +1,234 @@
+"""Every layer's backward against central finite differences (serial, float64).
+
+For a layer y = f(x; params) the scalar L = sum(y * R), R random and fixed, has
+dL/dy = R, so `backward(R, cache)` must give dL/dx and accumulate dL/dparam. Each
+entry is compared with (L(a + eps) - L(a - eps)) / (2 eps) for that entry.
+"""
+
+import numpy as np
+
+from numpitron.config import ModelConfig
+from numpitron.distributed.topology import Topology
+from numpitron.model import GPTStage
+from numpitron.nn.attention import ParallelAttention
+from numpitron.nn.block import Block
+from numpitron.nn.cross_entropy import VocabParallelCrossEntropy
+from numpitron.nn.embedding import PositionEmbedding, TiedLMHead, VocabParallelEmbedding
+from numpitron.nn.functional import gelu_backward, gelu_forward
+from numpitron.nn.layernorm import LayerNorm
+from numpitron.nn.linear import ColumnParallelLinear, RowParallelLinear
+from numpitron.nn.mlp import ParallelMLP
+from numpitron.nn.param import ParamStore
+from tests.tolerances import EQUIV_RTOL_FLOAT64, FD_ATOL, FD_EPS, FD_RTOL, rel_diff
+
+B, T, C, H = 2, 5, 8, 2
+N = B * T
+V = 11
+SERIAL = Topology.serial()
+
+
+def make_store(params, seed=3, jitter=0.1):
+    """Initialise, then move every parameter a little away from its init so that
+    LayerNorm gains, biases and zero-initialised tensors give non-trivial gradients."""
+    store = ParamStore(params, np.float64)
+    store.initialize(seed)
+    store.data += jitter * np.random.default_rng(seed + 1).normal(size=store.size)
+    return store
+
+
+def numeric_grad(output, weights, array, indices):
+    """Central differences of L = sum(output() * weights) w.r.t. array.flat[indices]
+    (perturbed in place). The outputs are differenced before they are weighted and
+    summed, so parts of L that do not depend on the entry (a residual stream) add no
+    rounding noise."""
+    out = np.empty(len(indices))
+    for k, i in enumerate(indices):
+        old = array.flat[i]
+        array.flat[i] = old + FD_EPS
+        plus = np.array(output(), dtype=np.float64)
+        array.flat[i] = old - FD_EPS
+        minus = np.array(output(), dtype=np.float64)
+        array.flat[i] = old
+        out[k] = np.sum((plus - minus) * weights) / (2 * FD_EPS)
+    return out
+
+
+def assert_fd(name, analytic, output, weights, array, indices=None):
+    indices = np.arange(array.size) if indices is None else indices
+    numeric = numeric_grad(output, weights, array, indices)
+    np.testing.assert_allclose(np.asarray(analytic).flat[indices], numeric,
+                               rtol=FD_RTOL, atol=FD_ATOL, err_msg=name)
+    assert np.any(numeric != 0), f"{name}: finite differences are all zero, the check is vacuous"
+
+
+def check_layer(forward, backward, params, x=None, seed=0):
+    """forward(x) -> (y, cache); backward(dy, cache) -> dx. Checks dL/dx (if x is
+    given) and the gradient of every parameter, L = sum(forward(x) * R)."""
+    store = make_store(params, seed=seed + 10)
+
+    def output():
+        return forward(None if x is None else x.copy())[0]
+
+    R = np.random.default_rng(seed).normal(size=output().shape)
+    store.zero_grad()
+    dx = backward(R.copy(), forward(None if x is None else x.copy())[1])
+    grads = {p.name: p.grad.copy() for p in params}
+    if x is not None:
+        assert dx.shape == x.shape
+        assert_fd("dx", dx, output, R, x)
+    for p in params:
+        assert_fd(p.name, grads[p.name], output, R, p.data)
+
+
+def rand_x(shape=(N, C), seed=1):
+    return np.random.default_rng(seed).normal(size=shape)
+
+
+def test_layernorm():
+    ln = LayerNorm("ln", C)
+    check_layer(ln.forward, ln.backward, ln.parameters(), rand_x())
+
+
+def test_column_parallel_linear_groups_1_and_3():
+    for groups in (1, 3):
+        lin = ColumnParallelLinear(f"col{groups}", C, 6, SERIAL, groups=groups)
+        check_layer(lin.forward, lin.backward, lin.parameters(), rand_x(), seed=groups)
+        y = lin.forward(rand_x())[0]
+        assert y.shape == (N, 6 * groups)
+        # group g's block of outputs is x @ W[:, g, :] + b[g]
+        w, b = lin.weight.data.reshape(C, groups, 6), lin.bias.data.reshape(groups, 6)
+        expected = np.concatenate([rand_x() @ w[:, g] + b[g] for g in range(groups)], axis=1)
+        assert rel_diff(y, expected) <= EQUIV_RTOL_FLOAT64
+
+
+def test_row_parallel_linear():
+    lin = RowParallelLinear("row", 12, C, SERIAL)
+    check_layer(lin.forward, lin.backward, lin.parameters(), rand_x((N, 12)))
+
+
+def test_mlp():
+    mlp = ParallelMLP("mlp", C, SERIAL, out_std=0.3)
+    check_layer(mlp.forward, mlp.backward, mlp.parameters(), rand_x())
+
+
+def test_attention():
+    attn = ParallelAttention("attn", C, H, SERIAL, out_std=0.3)
+    check_layer(lambda x: attn.forward(x, B, T), attn.backward, attn.parameters(), rand_x())
+
+
+def test_attention_is_causal():
+    attn = ParallelAttention("attn", C, H, SERIAL, out_std=0.3)
+    make_store(attn.parameters())
+    x = rand_x()
+    y = attn.forward(x.copy(), B, T)[0].reshape(B, T, C)
+    for t in range(T - 1):
+        changed = x.reshape(B, T, C).copy()
+        changed[:, t + 1:] += np.random.default_rng(t).normal(size=changed[:, t + 1:].shape)
+        y2 = attn.forward(changed.reshape(N, C), B, T)[0].reshape(B, T, C)
+        assert np.array_equal(y2[:, :t + 1], y[:, :t + 1]), f"position <= {t} saw the future"
+        assert not np.allclose(y2[:, t + 1:], y[:, t + 1:]), "later positions must see the change"
+
+
+def test_block():
+    block = Block("blocks.0", C, H, 2, SERIAL)
+    check_layer(lambda x: block.forward(x, B, T), block.backward, block.parameters(), rand_x())
+
+
+def test_embeddings():
+    emb = VocabParallelEmbedding("tok", V, C, SERIAL)
+    idx = np.random.default_rng(2).integers(0, V, N)
+    idx[:3] = idx[3]                      # repeated ids: their gradients must add up
+    check_layer(lambda _: emb.forward(idx), lambda dy, c: emb.backward(dy, c), emb.parameters())
+    pos = PositionEmbedding("pos", T + 2, C)  # longer table than T: unused rows get no grad
+    check_layer(lambda _: (pos.forward(B, T), None), lambda dy, _: pos.backward(dy, B, T), pos.parameters())
+    assert np.all(pos.weight.grad[T:] == 0)
+
+
+def test_tied_lm_head():
+    emb = VocabParallelEmbedding("tok", V, C, SERIAL)
+    head = TiedLMHead(emb)
+    check_layer(head.forward, head.backward, emb.parameters(), rand_x())
+
+
+def test_cross_entropy_gradient():
+    ce = VocabParallelCrossEntropy(V, 0, SERIAL)
+    logits = rand_x((N, V)) * 2
+    targets = np.random.default_rng(5).integers(0, V, N)
+    dloss = 1.7
+    loss = lambda: ce.forward(logits.copy(), targets)[0]             # noqa: E731
+    dlogits = ce.backward(dloss, ce.forward(logits.copy(), targets)[1])
+    assert_fd("dlogits", dlogits, loss, dloss, logits)
+
+
+def test_cross_entropy_equals_minus_log_softmax():
+    ce = VocabParallelCrossEntropy(V, 0, SERIAL)
+    logits = rand_x((N, V)) * 3
+    targets = np.random.default_rng(6).integers(0, V, N)
+    probs = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    expected = -np.mean(np.log(probs[np.arange(N), targets]))
+    loss, _ = ce.forward(logits.copy(), targets)
+    assert rel_diff(loss, expected) <= EQUIV_RTOL_FLOAT64
+
+
+def test_gelu_matches_tanh_formula_and_its_derivative():
+    x = np.linspace(-6, 6, 241)
+    expected = 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+    y, t = gelu_forward(x.copy())
+    assert rel_diff(y, expected) <= EQUIV_RTOL_FLOAT64
+    # the derivative, in extended precision and in a form without cancellation in the
+    # tails: 1 + tanh(u) = 2 / (1 + e^(-2u)), 1 - tanh(u)^2 = 1 / cosh(u)^2
+    xl = x.astype(np.longdouble)
+    s, a = np.sqrt(np.longdouble(2) / np.pi), np.longdouble(0.044715)
+    u = s * (xl + a * xl ** 3)
+    dgelu = 1 / (1 + np.exp(-2 * u)) + 0.5 * xl * s * (1 + 3 * a * xl ** 2) / np.cosh(u) ** 2
+    dy = np.random.default_rng(0).normal(size=x.shape)
+    dx = gelu_backward(dy.copy(), x, t)
+    assert rel_diff(dx, (dy * dgelu).astype(np.float64)) <= EQUIV_RTOL_FLOAT64
+    # and central differences where they are accurate (away from the far tails)
+    core = np.abs(x) <= 3
+    xc = x[core].copy()
+    assert_fd("gelu", dx[core], lambda: gelu_forward(xc.copy())[0], dy[core], xc)
+
+
+def tiny_stage():
+    cfg = ModelConfig(vocab_size=V, seq_len=T, n_layers=2, n_heads=H, d_model=C, dtype="float64").validate()
+    model = GPTStage(cfg, SERIAL, seed=4)
+    rng = np.random.default_rng(9)
+    model.store.data += 0.1 * rng.normal(size=model.store.size)
+    tokens, targets = rng.integers(0, V, (B, T)), rng.integers(0, V, (B, T))
+    return model, tokens, targets
+
+
+def test_gpt_stage_loss_gradient_on_random_parameter_subset():
+    model, tokens, targets = tiny_stage()
+    loss = lambda: model.forward(tokens, B, T, targets)[0]          # noqa: E731
+    model.store.zero_grad()
+    _, cache = model.forward(tokens, B, T, targets)
+    assert model.backward(1.0, cache) is None
+    subset = np.random.default_rng(1).choice(model.store.numel, 200, replace=False)
+    assert_fd("gpt", model.store.grad.copy(), loss, 1.0, model.store.data, subset)
+    # every kind of parameter must carry gradient (LN gains, biases, embeddings)
+    assert all(np.any(p.grad != 0) for p in model.params), [p.name for p in model.params if not np.any(p.grad)]
+
+
+def test_gradients_accumulate():
+    # Each block parameter gets one contribution per backward: g + g == 2 g exactly.
+    block = Block("blocks.0", C, H, 2, SERIAL)
+    store = make_store(block.parameters())
+    dy = rand_x(seed=7)
+    block.backward(dy, block.forward(rand_x(), B, T)[1])
+    once = store.grad.copy()
+    block.backward(dy, block.forward(rand_x(), B, T)[1])
+    assert np.all(once[:store.numel] != 0)
+    assert np.array_equal(store.grad, 2 * once)
+    # The whole stage: the tied embedding sums two contributions (embedding and head),
+    # so (E + H) + H + E == 2 (E + H) only up to rounding.
+    model, tokens, targets = tiny_stage()
+    model.store.zero_grad()
+    model.backward(1.0, model.forward(tokens, B, T, targets)[1])
+    once = model.store.grad.copy()
+    model.backward(1.0, model.forward(tokens, B, T, targets)[1])
+    assert np.any(once != 0)
+    assert rel_diff(model.store.grad, 2 * once) <= EQUIV_RTOL_FLOAT64
+    model.store.zero_grad()
+    assert not np.any(model.store.grad) and all(not np.any(p.grad) for p in model.params)

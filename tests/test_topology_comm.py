@@ -1,0 +1,176 @@
+"""The process mesh and the byte-counting collectives.
+
+Expected group members follow from the layout rule of DESIGN.md alone,
+rank = (pp * dp_size + dp) * tp_size + tp; expected byte counts from the ring
+formulas (all-reduce 2(k-1)/k of the buffer, reduce-scatter and all-gather (k-1)/k
+of the full buffer, point-to-point the buffer). Multi-rank tests gather every
+verdict before asserting, so one failing rank never leaves the others hanging.
+"""
+
+import re
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from numpitron.distributed.comm import Comm, CommStats, wait_all
+from numpitron.distributed.topology import Topology, resolve_mesh
+from numpitron.errors import UserError
+
+
+def assert_everywhere(flags: dict):
+    failed = sorted({k for f in MPI.COMM_WORLD.allgather(flags) for k, ok in f.items() if not ok})
+    assert not failed, failed
+
+
+def test_serial_topology_sizes_and_no_op_collectives():
+    topo = Topology.serial()
+    assert (topo.tp, topo.pp, topo.dp, topo.world_size, topo.rank) == (1, 1, 1, 1, 0)
+    assert (topo.tp_rank, topo.pp_rank, topo.dp_rank) == (0, 0, 0)
+    assert topo.is_first_stage and topo.is_last_stage and topo.is_logger
+    assert topo.prev_stage is None and topo.next_stage is None
+    comms = [topo.world, topo.tp_comm, topo.dp_comm, topo.pp_comm, topo.model_comm, topo.embedding_comm]
+    for comm in comms:
+        assert (comm.size, comm.rank) == (1, 0)
+        buf = np.arange(6.0)
+        assert comm.all_reduce(buf) is buf and np.array_equal(buf, np.arange(6.0))
+        assert np.array_equal(comm.all_reduce(buf, op="max"), np.arange(6.0))
+        shard = np.zeros(6)
+        assert np.array_equal(comm.reduce_scatter(buf, shard), buf)
+        assert np.array_equal(comm.all_gather(buf), np.arange(6.0))
+        assert np.array_equal(comm.broadcast(buf), np.arange(6.0))
+        full = np.zeros(6)
+        assert np.array_equal(comm.gather(buf, full), buf)
+        assert comm.broadcast_object({"a": 1}) == {"a": 1} and comm.all_reduce_object_max(3) == 3
+        comm.barrier()
+    assert topo.stats.total_bytes() == 0 and topo.stats.snapshot() == {}
+
+
+def test_resolve_mesh_derives_data_parallel_size():
+    assert resolve_mesh(8, 2, 2, None) == (2, 2, 2)
+    assert resolve_mesh(8, 2, 1, None) == (2, 1, 4)
+    assert resolve_mesh(6, 1, 3, 2) == (1, 3, 2)
+    assert resolve_mesh(1, 1, 1, None) == (1, 1, 1)
+
+
+@pytest.mark.parametrize("world, tp, pp, dp, message", [
+    (6, 4, 1, None, "world size 6 is not divisible by tensor x pipeline parallel size (4 x 1 = 4)"),
+    (8, 2, 2, 4, "(2 x 2 x 4 = 16) does not match the world size 8"),
+    (8, 2, 2, 1, "(2 x 2 x 1 = 4) does not match the world size 8"),
+    (4, 0, 1, None, "tensor-parallel size must be positive, got 0"),
+    (4, 1, 1, -2, "data-parallel size must be positive, got -2"),
+])
+def test_resolve_mesh_rejects_mismatches(world, tp, pp, dp, message):
+    with pytest.raises(UserError) as info:
+        resolve_mesh(world, tp, pp, dp)
+    assert message in str(info.value)
+
+
+def members(comm):
+    return comm.mpi.allgather(MPI.COMM_WORLD.Get_rank())
+
+
+@pytest.mark.parallel(nprocs=8)
+def test_three_d_mesh_layout_and_groups():
+    topo = Topology.from_world(tensor=2, pipeline=2, data=2)
+    tp_, dp_, pp_ = topo.tp, topo.dp, topo.pp
+    r, p, d, t = topo.rank, topo.pp_rank, topo.dp_rank, topo.tp_rank
+    at = lambda s, dd, tt: (s * dp_ + dd) * tp_ + tt          # noqa: E731  (DESIGN.md's rule)
+    flags = {
+        "sizes": (tp_, pp_, dp_, topo.world_size) == (2, 2, 2, 8),
+        "rank formula": r == MPI.COMM_WORLD.Get_rank() == at(p, d, t) == topo.world_rank_of(p, d, t),
+        "tp group": members(topo.tp_comm) == [at(p, d, x) for x in range(tp_)],
+        "dp group": members(topo.dp_comm) == [at(p, x, t) for x in range(dp_)],
+        "pp group": members(topo.pp_comm) == [at(x, d, t) for x in range(pp_)],
+        "model group": sorted(members(topo.model_comm)) == sorted(at(s, d, x) for s in range(pp_) for x in range(tp_)),
+        "embedding group": sorted(members(topo.embedding_comm)) == [at(0, d, t), at(pp_ - 1, d, t)],
+        "comm ranks": (topo.tp_comm.rank, topo.dp_comm.rank, topo.pp_comm.rank) == (t, d, p),
+        "stage neighbours": (topo.prev_stage, topo.next_stage) == ((None, 1) if p == 0 else (0, None)),
+    }
+    # every pp_rank/dp_rank/tp_rank triple occurs exactly once in the world
+    flags["coordinates unique"] = len(set(MPI.COMM_WORLD.allgather((p, d, t)))) == 8
+    lines = str(topo).splitlines()
+    stage_lines = [line for line in lines if line.strip().startswith("stage")]
+    flags["one line per stage"] = len(stage_lines) == pp_
+    for s, line in enumerate(stage_lines):
+        listed = [int(x) for x in re.findall(r"\d+", line.split(":", 1)[1])]
+        flags[f"stage {s} ranks"] = sorted(listed) == [at(s, dd, tt) for dd in range(dp_) for tt in range(tp_)]
+    assert_everywhere(flags)
+
+
+@pytest.mark.parallel(nprocs=4)
+def test_pipeline_of_four_has_embedding_group_on_the_ends_only():
+    topo = Topology.from_world(pipeline=4)
+    ends = topo.pp_rank in (0, 3)
+    flags = {"dp derived": (topo.tp, topo.pp, topo.dp) == (1, 4, 1),
+             "embedding": (members(topo.embedding_comm) == [0, 3]) if ends else
+                          (topo.embedding_comm.mpi is None and topo.embedding_comm.size == 1)}
+    assert_everywhere(flags)
+
+
+def check_collectives(comm, stats, dtype, n=24):
+    """Run every collective on `comm` (fresh stats) and return {check: ok}."""
+    k, me, item = comm.size, comm.rank, np.dtype(dtype).itemsize
+    flags, f = {}, np.dtype(dtype).name
+    inputs = [np.arange(n, dtype=dtype) * (r + 1) + r for r in range(k)]   # rank r's buffer
+
+    stats.reset()
+    buf = inputs[me].copy()
+    comm.all_reduce(buf)
+    flags[f"all_reduce sum {f}"] = np.array_equal(buf, sum(inputs))
+    flags[f"all_reduce bytes {f}"] = stats.bytes[f"{comm.name}.all_reduce"] == 2 * (k - 1) / k * item * n
+    flags[f"all_reduce calls {f}"] = stats.calls[f"{comm.name}.all_reduce"] == 1
+    ar_bytes = stats.bytes[f"{comm.name}.all_reduce"]
+    top = np.full(3, float(me), dtype)
+    flags[f"all_reduce max {f}"] = np.all(comm.all_reduce(top, op="max") == k - 1)
+
+    stats.reset()
+    shard = np.empty(n // k, dtype)
+    comm.reduce_scatter(inputs[me].copy(), shard)
+    flags[f"reduce_scatter values {f}"] = np.array_equal(shard, sum(inputs)[me * n // k:(me + 1) * n // k])
+    rs_bytes = stats.bytes[f"{comm.name}.reduce_scatter"]
+    flags[f"reduce_scatter bytes {f}"] = rs_bytes == (k - 1) / k * item * n
+
+    full = np.zeros(n, dtype)
+    full[me * n // k:(me + 1) * n // k] = inputs[me][me * n // k:(me + 1) * n // k]
+    comm.all_gather(full)
+    expected = np.concatenate([inputs[r][r * n // k:(r + 1) * n // k] for r in range(k)])
+    flags[f"all_gather values {f}"] = np.array_equal(full, expected)
+    ag_bytes = stats.bytes[f"{comm.name}.all_gather"]
+    flags[f"all_gather bytes {f}"] = ag_bytes == (k - 1) / k * item * n
+    flags[f"rs + ag == ar {f}"] = rs_bytes + ag_bytes == ar_bytes
+
+    stats.reset()                          # pairs (0,1), (2,3): blocking, then non-blocking
+    peer = me ^ 1
+    got = np.empty(n, dtype)
+    if me % 2 == 0:
+        comm.send(inputs[me], peer, tag=5)
+        comm.recv(got, peer, tag=6)
+    else:
+        comm.recv(got, peer, tag=5)
+        comm.send(inputs[me], peer, tag=6)
+    flags[f"send/recv data {f}"] = np.array_equal(got, inputs[peer])
+    got2 = np.empty(n, dtype)
+    wait_all([comm.irecv(got2, peer, tag=7), comm.isend(inputs[me], peer, tag=7)])
+    flags[f"isend/irecv data {f}"] = np.array_equal(got2, inputs[peer])
+    flags[f"p2p bytes {f}"] = (stats.bytes[f"{comm.name}.send"], stats.bytes[f"{comm.name}.recv"],
+                               stats.calls[f"{comm.name}.send"]) == (2 * item * n, 2 * item * n, 2)
+    wait_all([])
+    return flags
+
+
+@pytest.mark.parallel(nprocs=4)
+def test_collectives_move_and_count_the_right_bytes():
+    flags = {}
+    world = Comm(MPI.COMM_WORLD, CommStats(), "w")                 # a group of 4
+    topo = Topology.from_world(tensor=2, data=2)                   # groups of 2
+    for dtype in (np.float32, np.float64):
+        flags.update({f"k=4 {key}": ok for key, ok in check_collectives(world, world.stats, dtype).items()})
+        flags.update({f"k=2 {key}": ok for key, ok in check_collectives(topo.tp_comm, topo.stats, dtype).items()})
+    # counters from different comms of one topology land under separate keys
+    topo.stats.reset()
+    topo.dp_comm.all_reduce(np.ones(4))
+    topo.tp_comm.all_reduce(np.ones(8, np.float32))
+    flags["keys"] = topo.stats.snapshot() == {"dp.all_reduce": {"bytes": 2 * (1 / 2) * 4 * 8, "calls": 1},
+                                              "tp.all_reduce": {"bytes": 2 * (1 / 2) * 8 * 4, "calls": 1}}
+    assert_everywhere(flags)
