@@ -22,10 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from numpitron.runtime import configure_process  # noqa: E402
 
-configure_process(sys.argv)   # one BLAS thread per rank: must precede `import numpy`
-if "--malloc-keep" in sys.argv:
-    from malloc_tuning import keep_freed_memory   # this script's directory is on sys.path
-    keep_freed_memory()
+# One BLAS thread per rank and glibc keeping freed memory: must precede `import numpy`.
+configure_process(sys.argv, tune_malloc="--glibc-malloc-defaults" not in sys.argv)
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
@@ -57,8 +55,8 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--blas-threads", type=int, default=1, help="read by configure_process before NumPy starts")
-    p.add_argument("--malloc-keep", action="store_true",
-                   help="experiment: stop glibc returning freed memory to the OS (see malloc_tuning.py)")
+    p.add_argument("--glibc-malloc-defaults", action="store_true",
+                   help="skip the library's malloc tuning (numpitron/runtime.py), to measure what it buys")
     return p.parse_args()
 
 
@@ -211,7 +209,7 @@ def main():
                  "num_microbatches": trainer.num_microbatches},
         "model": {"n_layers": args.n_layers, "n_heads": args.n_heads, "d_model": args.d_model,
                   "seq_len": args.seq_len, "vocab": VOCAB, "flops_params": n_params},
-        "dtype": args.dtype, "iters": args.iters, "malloc_keep": args.malloc_keep,
+        "dtype": args.dtype, "iters": args.iters, "glibc_malloc_defaults": args.glibc_malloc_defaults,
         "env": {v: os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "MPIR_CVAR_ENABLE_HEAVY_YIELD")},
         # On a shared machine another job's load skews every figure: record it.
         "loadavg_1min_at_start": round(loadavg, 2),

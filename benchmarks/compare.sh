@@ -56,9 +56,9 @@ run dp2-zero0-g24 2 --data-parallel-size 2 --global-batch-size 24 --zero-stage 0
 run dp2-zero1-g24 2 --data-parallel-size 2 --global-batch-size 24 --zero-stage 1
 run pp2-1f1b-g96 2 --pipeline-parallel-size 2 --pipeline-schedule 1f1b --global-batch-size 96
 run pp2-gpipe-g96 2 --pipeline-parallel-size 2 --pipeline-schedule gpipe --global-batch-size 96
-# Not a strategy: glibc keeping freed memory (malloc_tuning.py) on the two extremes.
-run serial-g12-mkeep 1 --global-batch-size 12 --malloc-keep
-run tp2-g12-mkeep 2 --tensor-parallel-size 2 --global-batch-size 12 --malloc-keep
+# Not a strategy: what the malloc tuning of numpitron/runtime.py buys, on the two extremes.
+run serial-g12-mdefault 1 --global-batch-size 12 --glibc-malloc-defaults
+run tp2-g12-mdefault 2 --tensor-parallel-size 2 --global-batch-size 12 --glibc-malloc-defaults
 
 if [[ ${1:-} == --oversubscribed ]]; then
     # 4 ranks on 2 cores. runtime.py sets heavy yield when ranks > cores unless the
@@ -72,7 +72,7 @@ echo "== summary vs serial at the same global batch (results in $OUT)"
 python - "$OUT" <<'EOF'
 import json, sys
 runs = [json.loads(line) for line in open(sys.argv[1])]
-serial = {r["mesh"]["global_batch"]: r for r in runs if r["mesh"]["world"] == 1 and not r["malloc_keep"]}
+serial = {r["mesh"]["global_batch"]: r for r in runs if r["mesh"]["world"] == 1 and not r["glibc_malloc_defaults"]}
 print(f"{'run':16s} {'ranks':>5s} {'ms/iter':>8s} {'tok/s':>8s} {'x serial':>8s} {'mfu':>6s} "
       f"{'comm MB/it':>10s} {'comm %':>6s} {'bubble':>13s} {'opt MB':>7s} {'rss MB':>7s} {'faults':>6s} {'foreign':>7s}")
 for r in runs:

@@ -1,7 +1,7 @@
 """Where one training step's time goes: median forward and backward per layer type,
 the optimizer, the whole step, and the matmul-only lower bound.
 
-    python benchmarks/profile_layers.py [--reps 50] [--json-only] [--malloc-keep]
+    python benchmarks/profile_layers.py [--reps 50] [--json-only] [--glibc-malloc-defaults]
 
 One process, one BLAS thread, float32, the default model (B=12 T=64 C=128 H=4 L=4,
 V=65). Layers are the library's own objects, fed real activations; the attention and
@@ -9,9 +9,9 @@ MLP sub-steps repeat the library's NumPy calls one by one (keep them in step wit
 nn/attention.py and nn/mlp.py). In-place kernels get a fresh copy of their input
 before every repetition, outside the timer.
 
-Run it with and without --malloc-keep: with glibc's defaults, freed activations
-go back to the OS and are page-faulted in again, and that cost lands on whichever
-layer allocates (it dominates GELU and AdamW; see malloc_tuning.py).
+With --glibc-malloc-defaults (skipping numpitron.runtime's malloc tuning) freed
+activations go back to the OS and are page-faulted in again, and that cost lands on
+whichever layer allocates: compare the two to see it.
 """
 
 import argparse
@@ -24,10 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from numpitron.runtime import configure_process  # noqa: E402
 
-configure_process(["--blas-threads", "1"])   # before NumPy: one BLAS thread
-if "--malloc-keep" in sys.argv:
-    from malloc_tuning import keep_freed_memory   # this script's directory is on sys.path
-    keep_freed_memory()
+configure_process(["--blas-threads", "1"], tune_malloc="--glibc-malloc-defaults" not in sys.argv)  # before NumPy
 
 import numpy as np  # noqa: E402
 
@@ -149,7 +146,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=REPS)
     p.add_argument("--json-only", action="store_true")
-    p.add_argument("--malloc-keep", action="store_true", help="experiment: see malloc_tuning.py")
+    p.add_argument("--glibc-malloc-defaults", action="store_true", help="skip the malloc tuning of numpitron.runtime")
     args = p.parse_args()
     REPS = args.reps
     cfg = ModelConfig()
@@ -223,7 +220,7 @@ def main():
                             for n, (f, b) in rows.items()},
               "train_step_ms": round(step_ms, 3),
               "train_step_page_faults": round(faults),
-              "malloc_keep": args.malloc_keep,
+              "glibc_malloc_defaults": args.glibc_malloc_defaults,
               "sum_of_parts_ms": round(parts_ms, 3),
               "matmul_lower_bound_ms": round(mm_alloc, 3),
               "matmul_lower_bound_out_ms": round(mm_out, 3),

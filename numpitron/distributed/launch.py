@@ -18,6 +18,10 @@ import traceback
 from numpitron.errors import UserError
 
 PEER_GRACE_S = 1.0
+# MPI_Abort makes the launcher kill every rank at once, and MPICH's launcher can
+# drop output a rank wrote just before (seen with stdin not a terminal, as in CI):
+# give it a moment to forward the message first.
+OUTPUT_DRAIN_S = 0.3
 
 
 def world_rank_and_size() -> tuple[int, int]:
@@ -52,5 +56,6 @@ def _abort_others(message: str, is_user_error: bool, quiet: bool = False) -> Non
     if not quiet:
         prefix = "" if rank == 0 and is_user_error else f"rank {rank}: "
         print(prefix + message, file=sys.stderr, flush=True)
+        time.sleep(OUTPUT_DRAIN_S)
     from mpi4py import MPI
     MPI.COMM_WORLD.Abort(1)
