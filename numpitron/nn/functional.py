@@ -10,10 +10,9 @@ _GELU_A = 0.044715
 def gelu_forward(x):
     """GPT-2's tanh GELU: 0.5 x (1 + tanh(s (x + a x^3))). Returns (y, tanh term)."""
     t = x * x
-    t *= _GELU_A
-    t += 1.0
-    t *= x
-    t *= _GELU_S
+    t *= _GELU_S * _GELU_A
+    t += _GELU_S
+    t *= x                  # s (x + a x^3)
     np.tanh(t, out=t)
     y = t + 1.0
     y *= x
@@ -49,7 +48,8 @@ def softmax_lastdim_(x):
     """In-place softmax over the last axis."""
     x -= x.max(axis=-1, keepdims=True)
     np.exp(x, out=x)
-    x /= x.sum(axis=-1, keepdims=True)
+    inv_sum = x.sum(axis=-1, keepdims=True)
+    x *= np.reciprocal(inv_sum, out=inv_sum)     # one division per row, not per element
     return x
 
 

@@ -23,25 +23,30 @@ class LayerNorm:
         # x: (N, C)
         mean = x.mean(axis=1, keepdims=True)
         xhat = x - mean
-        var = np.square(xhat).mean(axis=1, keepdims=True)
+        y = np.multiply(xhat, xhat)                  # scratch for the variance, then the output
+        var = y.mean(axis=1, keepdims=True)
         var += self.eps
         rstd = np.sqrt(var, out=var)
         np.reciprocal(rstd, out=rstd)
         xhat *= rstd
-        y = xhat * self.weight.data
+        np.multiply(xhat, self.weight.data, out=y)
         y += self.bias.data
         return y, (xhat, rstd)
 
     def backward(self, dy, cache):
         xhat, rstd = cache
-        self.weight.grad += (dy * xhat).sum(axis=0)
+        w = self.weight.data
+        dy_xhat = dy * xhat
+        self.weight.grad += dy_xhat.sum(axis=0)
         self.bias.grad += dy.sum(axis=0)
-        # Closed form: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * weight
-        g = dy * self.weight.data
-        mean_g = g.mean(axis=1, keepdims=True)
-        mean_gx = (g * xhat).mean(axis=1, keepdims=True)
+        # Closed form: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * weight.
+        # The two row means are matrix-vector products (BLAS): mean(g) = dy @ w / C and
+        # mean(g * xhat) = (dy * xhat) @ w / C.
+        inv_c = 1.0 / xhat.shape[1]
+        mean_g = (dy @ w)[:, None] * inv_c
+        mean_gx = (dy_xhat @ w)[:, None] * inv_c
+        g = dy * w
         g -= mean_g
-        g -= xhat * mean_gx
+        g -= np.multiply(xhat, mean_gx, out=dy_xhat)
         g *= rstd
         return g
-
