@@ -23,6 +23,16 @@ class AdamW:
         self.step_count = 0
         self._scratch = np.empty(min(size, CHUNK), dtype)
 
+    def load_state(self, m, v, step_count: int) -> None:
+        """Restore the moments (arrays of this optimizer's size) and the step count."""
+        self.m[...] = m
+        self.v[...] = v
+        self.step_count = step_count
+
+    @property
+    def state_nbytes(self) -> int:
+        return self.m.nbytes + self.v.nbytes
+
     def update(self, params, grads, decay_mask, lr: float) -> None:
         """One AdamW step on `params` in place (all flat arrays of equal length)."""
         self.step_count += 1

@@ -52,12 +52,11 @@ class ZeroOneOptimizer:
         return tuple(full)
 
     def load_moments(self, m_full, v_full, step_count: int) -> None:
-        self.adam.m[...] = m_full[self.lo:self.hi]
-        self.adam.v[...] = v_full[self.lo:self.hi]
-        self.adam.step_count = step_count
+        """m and v laid out like the stage's flat buffer: keep this rank's slice."""
+        self.adam.load_state(m_full[self.lo:self.hi], v_full[self.lo:self.hi], step_count)
 
     def state_nbytes(self) -> int:
-        return self.adam.m.nbytes + self.adam.v.nbytes
+        return self.adam.state_nbytes
 
 
 def make_optimizer(store, topo, train_cfg, parallel_cfg):
