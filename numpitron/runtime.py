@@ -10,9 +10,9 @@ Imports nothing heavy, so entry points can call it first thing.
   them yield instead. It slows small collectives, so it is only set when
   oversubscribed (and never if the user set it). Measured with 4 ranks on 2 cores:
   a 4-stage pipeline ran ~10% faster with it, dp = 4 ~4% slower.
-* glibc keeps freed memory instead of handing it back to the OS. With its defaults
-  every step's activations (several MB) are unmapped when freed and page-faulted in
-  again by the next step: ~15,000 faults and a third of the step time for the
+* glibc is told to keep freed memory instead of handing it back to the OS. With its
+  defaults every step's activations (several MB) are unmapped when freed and
+  page-faulted in again by the next step: ~15,000 faults and a third of the step time for the
   default model, spent in the kernel.
 """
 

@@ -48,8 +48,8 @@ def softmax_lastdim_(x):
     """In-place softmax over the last axis."""
     x -= x.max(axis=-1, keepdims=True)
     np.exp(x, out=x)
-    inv_sum = x.sum(axis=-1, keepdims=True)
-    x *= np.reciprocal(inv_sum, out=inv_sum)     # one division per row, not per element
+    row_sum = x.sum(axis=-1, keepdims=True)
+    x *= np.reciprocal(row_sum, out=row_sum)     # one division per row, not per element
     return x
 
 

@@ -9,9 +9,9 @@ through the middle of a parameter is still decayed correctly.
 
 import numpy as np
 
-# Elements updated at a time: the eleven passes of one chunk over p, g, m, v and a
+# Elements updated at a time: the sixteen passes of one chunk over p, g, m, v and a
 # scratch buffer stay in the CPU's cache instead of streaming the whole buffer
-# from memory eleven times.
+# from memory sixteen times.
 CHUNK = 1 << 15
 
 
