@@ -200,7 +200,7 @@ def main():
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step_reps = max(10, REPS // 2)
     rows["train_step (total)"] = (median_ms(lambda _: trainer.train_step(tokens), reps=step_reps), 0.0)
-    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / (step_reps + 2)
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / (step_reps + 2)   # + median_ms's warm-ups
     L = cfg.n_layers
     counts.update({"embedding (token+position)": 1, "layernorm": 2 * L + 1, "block (whole)": L, "head (tied)": 1,
                    "cross-entropy": 1, "data: global batch": 1, "zero_grad": 1, "optimizer step (norm+clip+AdamW)": 1,

@@ -7,6 +7,7 @@ and MPICH then tears down the rest) than in the parent that waits for them.
 """
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -36,3 +37,11 @@ def shakespeare_text_path() -> Path:
         if candidate.exists():
             return candidate
     pytest.fail("tinyshakespeare.txt not found in ../shared/data or data/; see README")
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """A data directory holding only tinyshakespeare.txt, for the command-line tests."""
+    path = tmp_path_factory.mktemp("data")
+    shutil.copy(shakespeare_text_path(), path / "tinyshakespeare.txt")
+    return path

@@ -12,20 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, shakespeare_text_path
+from tests.conftest import REPO
 
 PYTHON = sys.executable
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 TINY = ["--n-layers", "2", "--n-heads", "2", "--d-model", "32", "--seq-len", "16", "--micro-batch-size", "4",
         "--dtype", "float64", "--eval-iters", "2", "--eval-interval", "5", "--log-interval", "1",
         "--warmup-iters", "3", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data")
-    shutil.copy(shakespeare_text_path(), path / "tinyshakespeare.txt")
-    return path
 
 
 def run(args, nprocs=None, timeout=120, script="train_shakespeare.py", env=None):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from numpitron.checkpoint.manifest import file_checksum
-from tests.test_cli import TINY, data_dir, run, train  # noqa: F401 (data_dir is a fixture)
+from tests.test_cli import TINY, run, train
 
 
 @pytest.fixture(scope="module")
