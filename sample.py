@@ -12,8 +12,9 @@ configure_process(sys.argv)
 
 
 def parser():
-    from numpitron.cli import ArgumentParser
+    from numpitron.cli import ArgumentParser, add_mesh_flags
     p = ArgumentParser(description="Generate text from a numpitron checkpoint.")
+    add_mesh_flags(p)
     p.add_argument("--out-dir", default="out", help="the training run's directory (uses its latest checkpoint)")
     p.add_argument("--checkpoint", default=None, help="a specific checkpoint directory instead")
     p.add_argument("--prompt", default="\n")
@@ -22,20 +23,20 @@ def parser():
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--data-dir", default="data", help="tokenizer location if the checkpoint has none")
-    p.add_argument("--blas-threads", type=int, default=1)
     return p
 
 
 def main(argv=None) -> int:
     from pathlib import Path
 
-    from numpitron.config import ModelConfig, from_dict
+    from mpi4py import MPI
+
     from numpitron.checkpoint import latest_checkpoint, load_model_weights, read_manifest
+    from numpitron.cli import mesh_from_args
+    from numpitron.config import ModelConfig, from_dict
     from numpitron.data.tokenizer import CharTokenizer
-    from numpitron.distributed.launch import world_rank_and_size
-    from numpitron.distributed.topology import Topology, resolve_mesh
+    from numpitron.distributed.topology import Topology
     from numpitron.errors import UserError
     from numpitron.generate import generate
     from numpitron.model import GPTStage
@@ -48,8 +49,9 @@ def main(argv=None) -> int:
         raise UserError("--temperature must be >= 0 and --top-k positive")
     if not args.prompt:
         raise UserError("--prompt must not be empty")
-    _, world_size = world_rank_and_size()
-    tp, _, _ = resolve_mesh(world_size, args.tensor_parallel_size, 1, 1)
+    if args.pipeline_parallel_size != 1 or args.data_parallel_size not in (None, 1):
+        raise UserError("sampling runs on tensor-parallel ranks only: leave out --pipeline-parallel-size "
+                        "and --data-parallel-size")
     path = Path(args.checkpoint) if args.checkpoint else latest_checkpoint(Path(args.out_dir) / "checkpoints")
     if path is None:
         raise UserError(f"no checkpoint in {Path(args.out_dir) / 'checkpoints'}; train first or pass --checkpoint")
@@ -60,9 +62,8 @@ def main(argv=None) -> int:
         tokenizer = CharTokenizer.load(Path(args.data_dir) / "tokenizer.json")
     prompt = tokenizer.encode(args.prompt)
     model_cfg = from_dict(ModelConfig, manifest["model_config"]).validate()
-    if model_cfg.n_heads % tp:
-        raise UserError(f"the checkpoint's n_heads ({model_cfg.n_heads}) is not divisible by --tensor-parallel-size {tp}")
-    topo = Topology.from_world(tp, 1, 1)
+    world = MPI.COMM_WORLD
+    topo = Topology(world, *mesh_from_args(args, world.Get_size(), model_cfg, None))
     model = GPTStage(model_cfg, topo)
     load_model_weights(path, model, model_cfg)
     ids = generate(model, prompt, args.max_new_tokens, args.num_samples, args.temperature, args.top_k, args.seed)

@@ -13,20 +13,13 @@ configure_process(sys.argv)   # BLAS threads and MPI yield: before NumPy and MPI
 
 
 def main(argv=None) -> int:
-    from dataclasses import replace
-
-    from numpitron.cli import configs_from_args, training_parser
-    from numpitron.distributed.launch import world_rank_and_size
-    from numpitron.distributed.topology import Topology, resolve_mesh
+    from numpitron.cli import add_file_flags, setup_training, training_parser
     from numpitron.train import train
 
-    args = training_parser().parse_args(argv)
-    model_cfg, parallel_cfg, train_cfg = configs_from_args(args)
-    _, world_size = world_rank_and_size()
-    tp, pp, dp = resolve_mesh(world_size, parallel_cfg.tensor, parallel_cfg.pipeline, args.data_parallel_size)
-    parallel_cfg = replace(parallel_cfg, data=dp).validate(model_cfg)
-    train_cfg.num_microbatches(dp)      # a batch that does not divide is an error before any communication
-    topo = Topology.from_world(tp, pp, dp)
+    parser = training_parser()
+    add_file_flags(parser)
+    args = parser.parse_args(argv)
+    model_cfg, parallel_cfg, train_cfg, topo = setup_training(args)
     result = train(model_cfg, parallel_cfg, train_cfg, topo, args.data_dir, args.out_dir,
                    resume=args.resume, progress=not args.no_progress, input_path=args.input)
     if topo.is_logger:

@@ -1,8 +1,9 @@
-"""Command-line flags shared by the entry points, mapped onto the config dataclasses."""
+"""Command-line flags shared by every entry point, and the one function that turns
+them (and the MPI world) into validated configs and a Topology."""
 
 import argparse
 
-from numpitron.config import DTYPES, ModelConfig, ParallelConfig, TrainConfig
+from numpitron.config import DTYPES, ModelConfig, ParallelConfig, TrainConfig, check_layout
 from numpitron.errors import UserError
 
 
@@ -19,30 +20,38 @@ class ArgumentParser(argparse.ArgumentParser):
             super().print_help(file)
 
 
-def add_parallel_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("parallelism")
+def add_mesh_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mesh")
     g.add_argument("--tensor-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", type=int, default=1)
     g.add_argument("--data-parallel-size", type=int, default=None, help="default: world / (tp * pp)")
-    g.add_argument("--pipeline-schedule", choices=["gpipe", "1f1b"], default="1f1b")
-    g.add_argument("--zero-stage", type=int, choices=[0, 1], default=0)
-    g.add_argument("--bucket-size", type=int, default=ParallelConfig.bucket_size,
-                   help="elements per data-parallel gradient all-reduce")
     g.add_argument("--blas-threads", type=int, default=1,
                    help="BLAS threads per rank (read before NumPy starts)")
 
 
-def training_parser() -> ArgumentParser:
-    p = ArgumentParser(description="Train a GPT on Tiny Shakespeare with tensor, pipeline and data parallelism.")
-    d = TrainConfig()
+def add_parallel_flags(p: argparse.ArgumentParser) -> None:
+    d = ParallelConfig()
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--pipeline-schedule", choices=["gpipe", "1f1b"], default=d.schedule)
+    g.add_argument("--zero-stage", type=int, choices=[0, 1], default=d.zero_stage)
+    g.add_argument("--bucket-size", type=int, default=d.bucket_size,
+                   help="elements per data-parallel gradient bucket")
+    g.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
+                   help="reduce gradients after the backward instead of during it")
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
     m = ModelConfig()
-    add_parallel_flags(p)
     g = p.add_argument_group("model")
     g.add_argument("--n-layers", type=int, default=m.n_layers)
     g.add_argument("--n-heads", type=int, default=m.n_heads)
     g.add_argument("--d-model", type=int, default=m.d_model)
     g.add_argument("--seq-len", type=int, default=m.seq_len)
     g.add_argument("--dtype", choices=DTYPES, default=m.dtype)
+
+
+def add_training_flags(p: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
     g.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x dp")
@@ -51,26 +60,58 @@ def training_parser() -> ArgumentParser:
         g.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     for name in ("lr", "min_lr", "weight_decay", "grad_clip", "beta1", "beta2"):
         g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+
+
+def training_parser(description: str = "Train a GPT on Tiny Shakespeare on any mesh.") -> ArgumentParser:
+    """The training script's flags; the benchmark adds its own to the same parser."""
+    p = ArgumentParser(description=description)
+    add_mesh_flags(p)
+    add_parallel_flags(p)
+    add_model_flags(p)
+    add_training_flags(p)
+    return p
+
+
+def add_file_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("files")
     g.add_argument("--data-dir", default="data", help="where tinyshakespeare.txt and the prepared files live")
     g.add_argument("--input", default=None, help="a local tinyshakespeare.txt to use instead of downloading")
     g.add_argument("--out-dir", default="out", help="metrics.jsonl and checkpoints")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
 
 
 def configs_from_args(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
-    """Validated configs (identical checks on every rank, before any communication).
-    The vocabulary size is filled in from the tokenizer later."""
+    """Each config validated on its own (no mesh yet). The vocabulary size is filled
+    in from the tokenizer later; nothing checked here depends on it."""
     model = ModelConfig(seq_len=args.seq_len, n_layers=args.n_layers, n_heads=args.n_heads,
                         d_model=args.d_model, dtype=args.dtype).validate()
-    parallel = ParallelConfig(tensor=args.tensor_parallel_size, pipeline=args.pipeline_parallel_size,
-                              data=args.data_parallel_size or 1, schedule=args.pipeline_schedule,
-                              zero_stage=args.zero_stage, bucket_size=args.bucket_size)
+    parallel = ParallelConfig(schedule=args.pipeline_schedule, zero_stage=args.zero_stage,
+                              bucket_size=args.bucket_size, overlap_grad_reduce=args.overlap_grad_reduce).validate()
     train = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size or 0,
                         **{k: getattr(args, k) for k in (
                             "max_iters", "eval_interval", "eval_iters", "warmup_iters", "lr_decay_iters",
                             "log_interval", "save_interval", "keep_checkpoints", "seed", "lr", "min_lr",
                             "weight_decay", "grad_clip", "beta1", "beta2")}).validate()
     return model, parallel, train
+
+
+def mesh_from_args(args, world_size: int, model: ModelConfig, train: TrainConfig | None) -> tuple[int, int, int]:
+    """(tp, pp, dp) for this world, after every check that involves the mesh."""
+    from numpitron.distributed.topology import resolve_mesh
+    tp, pp, dp = resolve_mesh(world_size, args.tensor_parallel_size, args.pipeline_parallel_size,
+                              args.data_parallel_size)
+    check_layout(model, train, tp, pp, dp)
+    return tp, pp, dp
+
+
+def setup_training(args, world=None):
+    """(model, parallel, train configs, Topology) from the parsed flags: every check
+    runs identically on every rank, then the communicators are split."""
+    from mpi4py import MPI
+
+    from numpitron.distributed.topology import Topology
+    world = world or MPI.COMM_WORLD
+    model, parallel, train = configs_from_args(args)
+    tp, pp, dp = mesh_from_args(args, world.Get_size(), model, train)
+    return model, parallel, train, Topology(world, tp, pp, dp)

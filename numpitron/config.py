@@ -35,30 +35,34 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor: int = 1
-    pipeline: int = 1
-    data: int = 1
-    schedule: str = "1f1b"   # "gpipe" or "1f1b"; only matters when pipeline > 1
-    zero_stage: int = 0
-    bucket_size: int = 1 << 20  # elements per data-parallel gradient all-reduce
+    """How to parallelise, beyond the mesh's sizes (which only the Topology holds)."""
 
-    def validate(self, model: ModelConfig) -> "ParallelConfig":
-        _positive(self, "tensor", "pipeline", "data", "bucket_size")
+    schedule: str = "1f1b"           # "gpipe" or "1f1b"; only matters with pipeline stages
+    zero_stage: int = 0
+    bucket_size: int = 1 << 20       # elements per data-parallel gradient bucket
+    overlap_grad_reduce: bool = True # start each bucket's all-reduce during the backward
+
+    def validate(self) -> "ParallelConfig":
+        _positive(self, "bucket_size")
         if self.schedule not in ("gpipe", "1f1b"):
             raise UserError(f"unknown pipeline schedule {self.schedule!r}; choose gpipe or 1f1b")
         if self.zero_stage not in (0, 1):
             raise UserError(f"zero stage must be 0 or 1, got {self.zero_stage}")
-        if model.n_heads % self.tensor:
-            raise UserError(f"n_heads ({model.n_heads}) must be divisible by the tensor-parallel size ({self.tensor})")
-        if (4 * model.d_model) % self.tensor:
-            raise UserError(f"the MLP width 4*d_model ({4 * model.d_model}) must be divisible by the tensor-parallel size ({self.tensor})")
-        if model.n_layers % self.pipeline:
-            raise UserError(f"n_layers ({model.n_layers}) must be divisible by the pipeline-parallel size ({self.pipeline})")
         return self
 
-    @property
-    def world_size(self) -> int:
-        return self.tensor * self.pipeline * self.data
+
+def check_layout(model: ModelConfig, train, tensor: int, pipeline: int, data: int) -> None:
+    """Everything that must divide for this model to run on a tensor x pipeline x data
+    mesh: checked identically on every rank before any communication."""
+    if model.n_heads % tensor:
+        raise UserError(f"n_heads ({model.n_heads}) must be divisible by the tensor-parallel size ({tensor})")
+    if (4 * model.d_model) % tensor:
+        raise UserError(f"the MLP width 4*d_model ({4 * model.d_model}) must be divisible by the "
+                        f"tensor-parallel size ({tensor})")
+    if model.n_layers % pipeline:
+        raise UserError(f"n_layers ({model.n_layers}) must be divisible by the pipeline-parallel size ({pipeline})")
+    if train is not None:
+        train.num_microbatches(data)
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,14 @@
 """Autoregressive sampling with a key/value cache, on any tensor-parallel size.
 
-The prompt is run through the model once (prefill), filling each block's cache of
-keys and values; every new token then costs one incremental forward over a single
-position. Each tp rank caches the keys and values of its own heads only, and the
-head produces vocabulary-sharded logits; only the last position's logits (V
-numbers per sample) are gathered, so every rank draws the same token from the
-same generator. Positions are learned up to seq_len: when the window is full it
-slides by half (the last seq_len/2 tokens are prefilled again), so the prefix is
-recomputed once per seq_len/2 tokens instead of once per token.
+The prompt is run through the model once (prefill), filling every attention layer's
+key/value cache; each new token then costs one forward over a single position. It is
+the model's own forward, given the cache (`GPTStage.forward(..., kv=cache)`): there is
+no second copy of the model's math to keep in step. Each tp rank caches its own heads
+and the head produces vocabulary-sharded logits; only the last position's logits (V
+numbers per sample) are gathered, so every rank draws the same token from the same
+generator. Positions are learned up to seq_len: when the window is full it slides by
+half (the last seq_len/2 tokens are prefilled again), so the prefix is recomputed once
+per seq_len/2 tokens instead of once per token.
 """
 
 import numpy as np
@@ -19,33 +20,14 @@ def _gather_logits(local, model):
     full = np.empty((tp.size,) + local.shape, local.dtype)
     full[tp.rank] = local
     tp.all_gather(full)
-    return np.concatenate(list(full), axis=1)[:, :model.cfg.vocab_size]
+    return np.concatenate(list(full), axis=1)[:, :model.model_cfg.vocab_size]
 
 
-def _prefill(model, tokens, kv):
-    """Run tokens (B, t) from position 0, filling the caches; returns the logits of
-    the last position, (B, V)."""
-    B, t = tokens.shape
-    x, _ = model.token_embedding.forward(tokens.reshape(-1))
-    x += model.position_embedding.forward(B, t)
-    return _through_blocks(model, x.reshape(B, t, -1), kv, 0)
-
-
-def _through_blocks(model, x, kv, pos):
-    B, t, C = x.shape
-    for block, block_kv in zip(model.blocks, kv):
-        x = block.decode(x, block_kv, pos)
-    h, _ = model.ln_f.forward(x[:, -1])
-    logits, _ = model.head.forward(h)
-    return _gather_logits(model.loss_fn.mask_padding(logits), model)
-
-
-def _step(model, token, kv, pos):
-    """One new token per sample (B,) at position pos; returns (B, V) logits."""
-    B = token.shape[0]
-    x, _ = model.token_embedding.forward(token)
-    x += model.position_embedding.weight.data[pos]
-    return _through_blocks(model, x.reshape(B, 1, -1), kv, pos)
+def next_token_logits(model, tokens, kv) -> np.ndarray:
+    """Forward tokens (B, t) at the cache's next positions; the last position's
+    logits, (B, V), on every tp rank."""
+    logits, _ = model.forward(tokens, kv=kv)
+    return _gather_logits(np.ascontiguousarray(logits[:, -1]), model)
 
 
 def sample_next(logits, rng, temperature: float, top_k: int | None):
@@ -69,22 +51,16 @@ def generate(model, prompt_ids, max_new_tokens: int, num_samples: int = 1, tempe
     every rank. The model must be a whole (single-stage) model."""
     if not (model.first and model.last):
         raise ValueError("generation needs the whole model on one pipeline stage")
-    cfg, rng = model.cfg, np.random.default_rng(seed)
-    T = cfg.seq_len
-    heads = model.blocks[0].attn.local_heads if model.blocks else 1
-    kv = [(np.zeros((num_samples, heads, T, cfg.head_dim), model.dtype),
-           np.zeros((num_samples, heads, T, cfg.head_dim), model.dtype)) for _ in model.blocks]
+    rng, T = np.random.default_rng(seed), model.model_cfg.seq_len
+    kv = model.new_kv_cache(num_samples)
     out = np.tile(np.asarray(prompt_ids, np.int64), (num_samples, 1))
-    context = out[:, -T:]
-    logits = _prefill(model, context, kv)
-    pos = context.shape[1]
+    logits = next_token_logits(model, out[:, -T:], kv)
     for _ in range(max_new_tokens):
         token = sample_next(logits, rng, temperature, top_k)
         out = np.concatenate([out, token[:, None]], axis=1)
-        if pos == T:                      # window full: slide it by half
-            pos = T // 2
-            logits = _prefill(model, out[:, -pos:], kv)
+        if kv.pos == T:                   # window full: slide it by half
+            kv.reset()
+            logits = next_token_logits(model, out[:, -(T // 2):], kv)
         else:
-            logits = _step(model, token, kv, pos)
-            pos += 1
+            logits = next_token_logits(model, token[:, None], kv)
     return out

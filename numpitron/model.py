@@ -1,98 +1,110 @@
 """GPT (as in GPT-2/nanoGPT), one pipeline stage of it.
 
-The first stage owns the token and position embeddings, the last the final
-LayerNorm, the LM head (tied to the token embedding) and the loss; every stage owns
-its share of the blocks. With one stage, one object is the whole model. When the
-first and last stages differ, each holds a copy of the token embedding, both drawn
-from the same (seed, name) and kept equal by summing their gradients over the
-embedding group (see `parallel.pipeline.sync_tied_embedding`).
+A stage is a sequence of layers that follow the layer contract (nn/layer.py): the
+first stage starts with the embeddings, every stage holds its share of the blocks,
+the last ends with the language-model head and the loss. With one stage, one object
+is the whole model. When the first and last stages differ, each holds a copy of the
+token embedding, both drawn from the same (seed, name) and kept equal by summing
+their gradients in `finalize_grads`.
 """
 
 import numpy as np
 
 from numpitron.config import ModelConfig
-from numpitron.nn.block import Block
-from numpitron.nn.cross_entropy import VocabParallelCrossEntropy
-from numpitron.nn.embedding import PositionEmbedding, TiedLMHead, VocabParallelEmbedding
-from numpitron.nn.layernorm import LayerNorm
-from numpitron.nn.param import ParamStore
 from numpitron.distributed.sharding import shard_bounds
+from numpitron.nn.block import Block
+from numpitron.nn.embedding import Embeddings, PositionEmbedding, VocabParallelEmbedding
+from numpitron.nn.head import LanguageModelHead
+from numpitron.nn.kv_cache import KVCache
+from numpitron.nn.layer import Layer
+from numpitron.nn.param import ParamStore
 
 TOKEN_EMBEDDING = "embedding.token.weight"
 
 
-class GPTStage:
-    def __init__(self, cfg: ModelConfig, topo, seed: int = 0, pad_multiple: int = 1):
-        self.cfg, self.topo = cfg, topo
-        self.dtype = np.dtype(cfg.dtype)
+class GPTStage(Layer):
+    def __init__(self, model_cfg: ModelConfig, topo, seed: int = 0):
+        self.model_cfg, self.topo = model_cfg, topo
+        self.dtype = np.dtype(model_cfg.dtype)
         self.first, self.last = topo.is_first_stage, topo.is_last_stage
-        self.layer_start, self.layer_stop = shard_bounds(cfg.n_layers, topo.pp, topo.pp_rank)
-        params = []
+        self.layer_start, self.layer_stop = shard_bounds(model_cfg.n_layers, topo.pp, topo.pp_rank)
+        self.layers, self.tied = [], []
         if self.first or self.last:
             # On the last stage of a pipeline this is the head's copy: counted once in
             # the gradient norm (on the first stage) and saved once.
             self.token_embedding = VocabParallelEmbedding(
-                "embedding.token", cfg.vocab_size, cfg.d_model, topo, in_norm=self.first)
-            params += self.token_embedding.parameters()
+                "embedding.token", model_cfg.vocab_size, model_cfg.d_model, topo, in_norm=self.first)
+            self.tied = self.token_embedding.parameters()
         if self.first:
-            self.position_embedding = PositionEmbedding("embedding.position", cfg.seq_len, cfg.d_model)
-            params += self.position_embedding.parameters()
-        self.blocks = [Block(f"blocks.{i}", cfg.d_model, cfg.n_heads, cfg.n_layers, topo)
+            position = PositionEmbedding("embedding.position", model_cfg.seq_len, model_cfg.d_model)
+            self.embeddings = Embeddings(self.token_embedding, position)
+            self.layers.append(self.embeddings)
+        self.blocks = [Block(f"blocks.{i}", model_cfg.d_model, model_cfg.n_heads, model_cfg.n_layers, topo)
                        for i in range(self.layer_start, self.layer_stop)]
-        for block in self.blocks:
-            params += block.parameters()
+        self.layers += self.blocks
         if self.last:
-            self.ln_f = LayerNorm("ln_f", cfg.d_model)
-            self.head = TiedLMHead(self.token_embedding)
-            self.loss_fn = VocabParallelCrossEntropy(cfg.vocab_size, self.token_embedding.vocab_start, topo)
-            params += self.ln_f.parameters()
-        self.store = ParamStore(params, self.dtype, topo.tp_rank, pad_multiple)
+            self.head = LanguageModelHead(self.token_embedding, model_cfg.d_model, topo)
+            self.layers.append(self.head)
+        # Every parameter once, in forward order (the tied copy heads the list).
+        params = self.tied + [p for layer in self.layers for p in layer.parameters() if p not in self.tied]
+        self.store = ParamStore(params, self.dtype, topo.tp_rank)
         self.store.initialize(seed)
 
-    @property
-    def params(self):
+    def parameters(self):
         return self.store.params
 
     def input_shape(self, B: int, T: int) -> tuple:
-        """What this stage receives from the previous one (activations)."""
-        return (B * T, self.cfg.d_model)
+        """What this stage receives from the previous one: activations (B, T, C)."""
+        return (B, T, self.model_cfg.d_model)
 
-    def forward(self, inputs, B: int, T: int, targets=None):
-        """First stage: inputs are token ids (B, T); others: activations (B*T, C).
-        Last stage returns the mean loss (if targets are given) or the logits
-        (B*T, V/tp); others the activations (B*T, C) to send on. Returns (output, cache)."""
-        cache = {"B": B, "T": T}
+    def forward(self, inputs, targets=None, kv: KVCache | None = None):
+        """inputs: token ids (B, T) on the first stage, activations (B, T, C) elsewhere.
+        Returns (output, cache): the last stage's output is the mean loss, or the
+        logits (B, T, V/tp) without targets; the others' are activations to send on."""
+        caches, x = [], inputs
         if self.first:
-            x, cache["tok"] = self.token_embedding.forward(inputs.reshape(-1))
-            x += self.position_embedding.forward(B, T)
-        else:
-            x = inputs
-        cache["blocks"] = []
-        for block in self.blocks:
-            x, block_cache = block.forward(x, B, T)
-            cache["blocks"].append(block_cache)
-        if not self.last:
-            return x, cache
-        h, cache["ln_f"] = self.ln_f.forward(x)
-        logits, cache["head"] = self.head.forward(h)
-        if targets is None:
-            return self.loss_fn.mask_padding(logits), cache
-        loss, cache["loss"] = self.loss_fn.forward(logits, targets.reshape(-1))
-        return loss, cache
-
-    def backward(self, dout, cache):
-        """dout: the loss weight (last stage) or dL/d(output activations). Returns
-        dL/d(input activations), or None on the first stage."""
-        B, T = cache["B"], cache["T"]
+            x, layer_cache = self.embeddings.forward(x, kv=kv)
+            caches.append(layer_cache)
+        for i, block in enumerate(self.blocks):
+            x, layer_cache = block.forward(x, kv=None if kv is None else kv.layer(i))
+            caches.append(layer_cache)
         if self.last:
-            dlogits = self.loss_fn.backward(dout, cache["loss"])
-            dx = self.ln_f.backward(self.head.backward(dlogits, cache["head"]), cache["ln_f"])
-        else:
-            dx = dout
-        for block, block_cache in zip(reversed(self.blocks), reversed(cache["blocks"])):
-            dx = block.backward(dx, block_cache)
-        if not self.first:
-            return dx
-        self.position_embedding.backward(dx, B, T)
-        self.token_embedding.backward(dx, cache["tok"])
-        return None
+            x, layer_cache = self.head.forward(x, targets=targets)
+            caches.append(layer_cache)
+        if kv is not None:
+            kv.advance(inputs.shape[1])
+        return x, caches
+
+    def backward(self, dout, cache, grads_ready=None):
+        """dout: the loss weight (last stage) or dL/d(output activations). Returns
+        dL/d(input activations), None on the first stage. Layer by layer, both halves,
+        so each layer's gradients are final as early as possible: `grads_ready` hears
+        of them (data parallelism starts reducing them while the backward goes on)."""
+        for layer, layer_cache in zip(reversed(self.layers), reversed(cache)):
+            dout = layer.backward(dout, layer_cache)
+            if grads_ready is not None:
+                # The tied embedding is not final before finalize_grads sums its copies.
+                grads_ready([p for p in layer.parameters() if p not in self.tied])
+        return dout
+
+    def backward_input(self, dout, cache):
+        for layer, layer_cache in zip(reversed(self.layers), reversed(cache)):
+            dout = layer.backward_input(dout, layer_cache)
+        return dout
+
+    def backward_weights(self, cache):
+        for layer, layer_cache in zip(reversed(self.layers), reversed(cache)):
+            layer.backward_weights(layer_cache)
+
+    def finalize_grads(self, grads_ready) -> None:
+        """After the last micro-batch's backward (Megatron's finalize_model_grads): sum
+        the tied token embedding's gradient over its copies on the first and last stage,
+        so both apply the same update and never drift apart. A no-op with one stage."""
+        if self.tied:
+            self.topo.embedding_comm.all_reduce(self.token_embedding.weight.grad)
+            grads_ready(self.tied)
+
+    def new_kv_cache(self, batch: int) -> KVCache:
+        """An empty key/value cache for generating `batch` sequences on this stage."""
+        heads = self.model_cfg.n_heads // self.topo.tp
+        return KVCache(len(self.blocks), batch, heads, self.model_cfg.seq_len, self.model_cfg.head_dim, self.dtype)

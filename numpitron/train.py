@@ -16,6 +16,7 @@ from numpitron.data.prepare import ensure_prepared, prepared_paths
 from numpitron.data.tokenizer import CharTokenizer
 from numpitron.errors import UserError
 from numpitron.metrics import MetricsLog
+from numpitron.parallel.pipeline import bubble_fraction
 from numpitron.trainer import Trainer
 
 
@@ -28,17 +29,12 @@ def prepare_data_on_ranks(topo, data_dir: Path, input_path=None) -> dict:
     return ensure_prepared(data_dir, input_path, quiet=True)
 
 
-def bubble_formula(stages: int, microbatches: int) -> float:
-    return (stages - 1) / (microbatches + stages - 1)
-
-
 def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=False,
           progress=True, input_path=None) -> dict:
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     paths = prepare_data_on_ranks(topo, data_dir, input_path)
     tokenizer = CharTokenizer.load(paths["tokenizer"])
     model_cfg = replace(model_cfg, vocab_size=tokenizer.vocab_size).validate()
-    parallel_cfg.validate(model_cfg)
     splits = {"train": load_tokens(paths["train"]), "val": load_tokens(paths["val"])}
     trainer = Trainer(model_cfg, parallel_cfg, train_cfg, topo)
     ckpt_root = out_dir / "checkpoints"
@@ -56,7 +52,7 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
     log = MetricsLog(out_dir / "metrics.jsonl", topo.is_logger, trainer.iteration if resume else None)
     if topo.is_logger:
         print(topo, flush=True)
-        print(f"model: {sum(int(math.prod(p.logical_shape)) for p in trainer.model.params)} parameters on stage 0; "
+        print(f"model: {sum(int(math.prod(p.logical_shape)) for p in trainer.model.parameters())} parameters on stage 0; "
               f"{trainer.num_microbatches} micro-batches of {train_cfg.micro_batch_size} per dp rank", flush=True)
     bar = _progress_bar(trainer.iteration, train_cfg.max_iters, progress and topo.is_logger)
     tokens_per_iter = trainer.global_batch_size * model_cfg.seq_len
@@ -71,7 +67,7 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
                   "comm_bytes": topo.stats.total_bytes()}
         if topo.pp > 1:
             record["bubble"] = trainer.last_pipeline_stats.bubble_fraction
-            record["bubble_formula"] = bubble_formula(topo.pp, trainer.num_microbatches)
+            record["bubble_formula"] = bubble_fraction(topo.pp, trainer.num_microbatches)
         if not math.isfinite(step["train_loss"]):
             raise UserError(f"training diverged at iteration {it}: loss is {step['train_loss']}")
         is_eval = it % train_cfg.eval_interval == 0 or it == train_cfg.max_iters
@@ -96,13 +92,13 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
             "train_loss": last_eval.get("train"), "elapsed_s": time.perf_counter() - start, "trainer": trainer}
 
 
-def checkpoint_reason(iteration: int, improved: bool, cfg) -> str | None:
+def checkpoint_reason(iteration: int, improved: bool, train_cfg) -> str | None:
     """Why to save after this iteration, if at all (one checkpoint per iteration)."""
     if improved:
         return "best"
-    if iteration == cfg.max_iters:
+    if iteration == train_cfg.max_iters:
         return "final"
-    if cfg.save_interval and iteration % cfg.save_interval == 0:
+    if train_cfg.save_interval and iteration % train_cfg.save_interval == 0:
         return "interval"
     return None
 

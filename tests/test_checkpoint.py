@@ -13,13 +13,14 @@ import pytest
 from numpitron.checkpoint import (export_npz, import_npz, latest_checkpoint, load_checkpoint,
                                   load_model_weights, read_manifest, save_checkpoint)
 from numpitron.checkpoint.manifest import file_checksum
-from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
+from numpitron.config import ModelConfig, TrainConfig
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
 from numpitron.model import GPTStage
 from numpitron.trainer import Trainer
+from tests.harness import SMALLER, train_steps, make_trainer as harness_trainer, tiny_model
 
-MODEL = ModelConfig(vocab_size=65, seq_len=16, n_layers=2, n_heads=2, d_model=32, dtype="float64")
+MODEL = tiny_model(**SMALLER)
 TRAIN = TrainConfig(micro_batch_size=2, global_batch_size=4, max_iters=10, warmup_iters=2, seed=1,
                     eval_iters=1, eval_interval=1)
 TOKENS = np.random.default_rng(0).integers(0, 65, 5000).astype(np.uint16)
@@ -27,11 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def make_trainer(model_cfg=MODEL) -> Trainer:
-    return Trainer(model_cfg, ParallelConfig(), TRAIN, Topology.serial())
-
-
-def train(trainer: Trainer, steps: int) -> list[float]:
-    return [trainer.train_step(TOKENS)["train_loss"] for _ in range(steps)]
+    return harness_trainer(model_cfg, TRAIN, Topology.serial())
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +36,7 @@ def saved(tmp_path_factory):
     """One checkpoint after 3 steps, and the trainer that wrote it. Tests that damage
     a checkpoint work on a copy (see `copy_of`)."""
     trainer = make_trainer()
-    train(trainer, 3)
+    train_steps(trainer, 3, TOKENS)
     trainer.best_val_loss = 3.25
     path = save_checkpoint(tmp_path_factory.mktemp("saved"), trainer)
     return path, trainer
@@ -70,7 +67,7 @@ def expect_load_error(path: Path, *fragments: str) -> str:
 
 def test_round_trip_is_exact_and_training_continues_identically(tmp_path):
     trainer = make_trainer()
-    train(trainer, 3)
+    train_steps(trainer, 3, TOKENS)
     trainer.best_val_loss = 3.25
     path = save_checkpoint(tmp_path, trainer)
     fresh = make_trainer()
@@ -81,17 +78,17 @@ def test_round_trip_is_exact_and_training_continues_identically(tmp_path):
     assert np.array_equal(fresh.optimizer.adam.v, trainer.optimizer.adam.v)
     assert fresh.optimizer.adam.step_count == trainer.optimizer.adam.step_count == 3
     assert fresh.iteration == 3 and fresh.best_val_loss == 3.25
-    assert train(fresh, 2) == train(trainer, 2)
+    assert train_steps(fresh, 2, TOKENS) == train_steps(trainer, 2, TOKENS)
 
 
 def test_round_trip_continues_like_an_uninterrupted_run(tmp_path):
     straight = make_trainer()
-    expected = train(straight, 5)
+    expected = train_steps(straight, 5, TOKENS)
     first = make_trainer()
-    train(first, 3)
+    train_steps(first, 3, TOKENS)
     resumed = make_trainer()
     load_checkpoint(save_checkpoint(tmp_path, first), resumed)
-    assert train(resumed, 2) == expected[3:]
+    assert train_steps(resumed, 2, TOKENS) == expected[3:]
     assert resumed.best_val_loss == float("inf")     # never evaluated: null in JSON, inf again
 
 
@@ -100,8 +97,8 @@ def test_manifest_and_tensors_have_full_logical_shapes(saved):
     manifest = read_manifest(path)
     assert manifest["format_version"] == 1 and manifest["adam_step"] == 3 and manifest["best_val_loss"] == 3.25
     assert manifest["data_state"] == {"sampler": "seeded-per-iteration", "seed": 1, "next_iteration": 3}
-    assert manifest["parallel_config"]["tensor"] == 1 and manifest["parallel_config"]["zero_stage"] == 0
-    names = [p.name for p in trainer.model.params]
+    assert manifest["mesh"] == {"tensor": 1, "pipeline": 1, "data": 1} and manifest["parallel_config"]["zero_stage"] == 0
+    names = [p.name for p in trainer.model.parameters()]
     assert set(manifest["tensors"]) == {f"{k}/{n}.npy" for k in ("params", "adam_m", "adam_v") for n in names}
     for relpath, entry in manifest["tensors"].items():
         array = np.load(path / relpath, allow_pickle=False)
@@ -120,7 +117,7 @@ def test_latest_ignores_crash_leftovers_and_the_next_save_removes_them(tmp_path)
     (tmp_path / "latest").unlink()
     assert latest_checkpoint(tmp_path) == first
     assert latest_checkpoint(tmp_path / "nowhere") is None
-    train(trainer, 1)
+    train_steps(trainer, 1, TOKENS)
     second = save_checkpoint(tmp_path, trainer)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_000000", "iter_000001", "latest"]
     assert latest_checkpoint(tmp_path) == second
@@ -130,7 +127,7 @@ def test_keep_prunes_to_the_newest_but_spares_protect(tmp_path):
     trainer = make_trainer()
     best = save_checkpoint(tmp_path, trainer, keep=2)           # iter 0: the "best" one
     for _ in range(3):
-        train(trainer, 1)
+        train_steps(trainer, 1, TOKENS)
         last = save_checkpoint(tmp_path, trainer, keep=2, protect=best)
     assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_000000", "iter_000002", "iter_000003"]
     save_checkpoint(tmp_path, trainer, keep=1)                   # re-save of iteration 3, no protect

@@ -15,14 +15,15 @@ import pytest
 from mpi4py import MPI
 
 from numpitron.checkpoint import latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint
-from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
+from numpitron.config import ModelConfig, TrainConfig
 from numpitron.distributed.gather import gather_full
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
 from numpitron.trainer import Trainer
+from tests.harness import SMALLER, train_steps, make_trainer, tiny_model
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
-MODEL = ModelConfig(vocab_size=65, seq_len=16, n_layers=2, n_heads=2, d_model=32, dtype="float64")
+MODEL = tiny_model(**SMALLER)
 TOKENS = np.random.default_rng(0).integers(0, 65, 5000).astype(np.uint16)
 
 
@@ -33,12 +34,8 @@ def train_cfg(micro_batch_size=2) -> TrainConfig:
 
 
 def mesh_trainer(tensor=1, pipeline=1, data=1, zero_stage=0, micro_batch_size=2) -> Trainer:
-    parallel = ParallelConfig(tensor=tensor, pipeline=pipeline, data=data, zero_stage=zero_stage).validate(MODEL)
-    return Trainer(MODEL, parallel, train_cfg(micro_batch_size), Topology.from_world(tensor, pipeline, data))
-
-
-def train(trainer: Trainer, steps: int) -> list[float]:
-    return [trainer.train_step(TOKENS)["train_loss"] for _ in range(steps)]
+    return make_trainer(MODEL, train_cfg(micro_batch_size), tensor=tensor, pipeline=pipeline, data=data,
+                        zero_stage=zero_stage)
 
 
 @pytest.fixture
@@ -67,15 +64,15 @@ def full_state(trainer: Trainer) -> dict | None:
 
 @pytest.mark.parallel(nprocs=4)
 def test_tp2_pp2_checkpoint_resumes_on_dp4_zero1_and_tp2_dp2_zero1(shared_dir):
-    serial = Trainer(MODEL, ParallelConfig(), train_cfg(), Topology.serial())
-    expected = train(serial, 6)
+    serial = make_trainer(MODEL, train_cfg(), Topology.serial())
+    expected = train_steps(serial, 6, TOKENS)
 
     source = mesh_trainer(tensor=2, pipeline=2)
-    assert rel_diff(train(source, 3), expected[:3]) <= EQUIV_RTOL_FLOAT64
+    assert rel_diff(train_steps(source, 3, TOKENS), expected[:3]) <= EQUIV_RTOL_FLOAT64
     path = save_checkpoint(shared_dir, source)
     assert path == shared_dir / "iter_000003" and latest_checkpoint(shared_dir) == path
     manifest = read_manifest(path)
-    assert (manifest["parallel_config"]["tensor"], manifest["parallel_config"]["pipeline"]) == (2, 2)
+    assert (manifest["mesh"]["tensor"], manifest["mesh"]["pipeline"]) == (2, 2)
     # The vocabulary is padded to 66 rows on tp=2; the file holds the logical 65.
     assert manifest["tensors"]["params/embedding.token.weight.npy"]["shape"] == [65, 32]
 
@@ -83,14 +80,14 @@ def test_tp2_pp2_checkpoint_resumes_on_dp4_zero1_and_tp2_dp2_zero1(shared_dir):
         resumed = mesh_trainer(**mesh)
         load_checkpoint(path, resumed)
         assert resumed.iteration == 3 and resumed.optimizer.adam.step_count == 3
-        losses = train(resumed, 3)
+        losses = train_steps(resumed, 3, TOKENS)
         assert rel_diff(losses, expected[3:]) <= EQUIV_RTOL_FLOAT64, (mesh, losses, expected[3:])
 
 
 @pytest.mark.parallel(nprocs=2)
 def test_tp2_zero0_state_loads_exactly_on_dp2_zero1(shared_dir):
     source = mesh_trainer(tensor=2)
-    train(source, 3)
+    train_steps(source, 3, TOKENS)
     source.best_val_loss = 4.5
     saved = full_state(source)
     path = save_checkpoint(shared_dir, source)
@@ -120,6 +117,6 @@ def test_failures_on_one_rank_fail_every_rank(shared_dir):
     path = save_checkpoint(shared_dir / "ckpts", trainer)
     # Only rank 1's flags disagree with the checkpoint; rank 0 must not go on alone.
     flags = ModelConfig(**{**MODEL.__dict__, "n_layers": 4}) if MPI.COMM_WORLD.rank == 1 else MODEL
-    odd = Trainer(flags, ParallelConfig(data=2), train_cfg(), trainer.topo)
+    odd = make_trainer(flags, train_cfg(), trainer.topo)
     with pytest.raises(UserError, match="n_layers 2 != 4"):
         load_checkpoint(path, odd)

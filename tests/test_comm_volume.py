@@ -17,10 +17,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from numpitron.config import ParallelConfig
 from numpitron.distributed.sharding import pad_to_multiple
-from numpitron.trainer import Trainer
-from tests.harness import mesh_topology, tiny_model, tiny_tokens, tiny_train
+from tests.harness import assert_on_every_rank, identical_over, make_trainer as harness_trainer, tiny_model
+from tests.harness import tiny_tokens, tiny_train
 
 F64 = 8          # the loss and the squared norm travel as one float64
 
@@ -29,11 +28,8 @@ def all_reduce_bytes(nbytes, k):
     return 2 * (k - 1) / k * nbytes
 
 
-def make_trainer(dtype="float64", train=None, **parallel):
-    model_cfg = tiny_model(dtype)
-    topo = mesh_topology(**parallel)
-    cfg = ParallelConfig(**{"data": topo.dp, **parallel}).validate(model_cfg)
-    return Trainer(model_cfg, cfg, train or tiny_train(), topo)
+def make_trainer(dtype="float64", train=None, **mesh):
+    return harness_trainer(tiny_model(dtype), train or tiny_train(), **mesh)
 
 
 def one_step(trainer, tokens):
@@ -46,18 +42,6 @@ def measured(snap, key, field="bytes"):
     return snap.get(key, {}).get(field, 0)
 
 
-def assert_everywhere(checks: dict):
-    """checks: {name: (measured, expected)}; every rank sees every rank's mismatches."""
-    bad = {f"rank {r}: {k}": v for r, c in enumerate(MPI.COMM_WORLD.allgather(checks))
-           for k, v in c.items() if v[0] != v[1]}
-    assert not bad, bad
-
-
-def identical_over(comm, array):
-    copies = comm.mpi.allgather(array)
-    return all(np.array_equal(c, copies[0]) for c in copies)
-
-
 @pytest.mark.parallel(nprocs=2)
 def test_data_parallel_zero0_and_zero1_volume():
     tokens, bucket = tiny_tokens(), 10000
@@ -65,10 +49,11 @@ def test_data_parallel_zero0_and_zero1_volume():
     store, item, k = zero0.model.store, zero0.model.dtype.itemsize, 2
     snap = one_step(zero0, tokens)
     grad_bytes = all_reduce_bytes(store.size * item, k)
+    buckets = len(zero0.optimizer.buckets.buckets)
     checks = {
         "zero0 dp.all_reduce bytes": (measured(snap, "dp.all_reduce"), grad_bytes + all_reduce_bytes(F64, k)),
-        "zero0 dp.all_reduce calls": (measured(snap, "dp.all_reduce", "calls"), math.ceil(store.size / bucket) + 1),
-        "zero0 several buckets": (math.ceil(store.size / bucket) > 1, True),
+        "zero0 dp.all_reduce calls": (measured(snap, "dp.all_reduce", "calls"), buckets + 1),
+        "zero0 several buckets": (buckets > 1, True),
         "zero0 kinds": (sorted(snap), ["dp.all_reduce"]),
         "zero0 state": (zero0.optimizer.state_nbytes(), 2 * store.size * item),
     }
@@ -93,7 +78,7 @@ def test_data_parallel_zero0_and_zero1_volume():
             })
         checks[f"zero1 params identical over dp after step {step + 1}"] = (
             identical_over(zero1.topo.dp_comm, store1.data), True)
-    assert_everywhere(checks)
+    assert_on_every_rank(checks)
 
 
 @pytest.mark.parallel(nprocs=2)
@@ -103,7 +88,7 @@ def test_tensor_parallel_volume():
         trainer = make_trainer(dtype, tensor=2)
         cfg, m, k = trainer.model_cfg, trainer.num_microbatches, 2
         item = np.dtype(dtype).itemsize
-        n_tokens = trainer.cfg.micro_batch_size * cfg.seq_len
+        n_tokens = trainer.train_cfg.micro_batch_size * cfg.seq_len
         activation = n_tokens * cfg.d_model * item
         # per micro-batch: embedding forward 1, per block 2 forward ("g": attention and
         # MLP output) + 2 backward ("f": qkv and fc input), head backward 1: each (N, C);
@@ -118,14 +103,14 @@ def test_tensor_parallel_volume():
             f"{dtype} grad norm": (measured(snap, "model.all_reduce"), all_reduce_bytes(F64, k)),
             f"{dtype} kinds": (sorted(snap), ["model.all_reduce", "tp.all_reduce"]),
         })
-    assert_everywhere(checks)
+    assert_on_every_rank(checks)
 
 
 def pipeline_checks(trainer, snap, label):
     """Send/recv, tied-embedding and control traffic of one pipeline iteration."""
     topo, cfg, m = trainer.topo, trainer.model_cfg, trainer.num_microbatches
     P, s, item = topo.pp, topo.pp_rank, trainer.model.dtype.itemsize
-    activation = trainer.cfg.micro_batch_size * cfg.seq_len * cfg.d_model * item
+    activation = trainer.train_cfg.micro_batch_size * cfg.seq_len * cfg.d_model * item
     sends = (s < P - 1) + (s > 0)          # activations forward, gradients backward
     ends = s in (0, P - 1)
     vocab = pad_to_multiple(cfg.vocab_size, topo.tp)
@@ -159,7 +144,7 @@ def test_pipeline_two_stages_volume_peak_and_tied_embedding():
             weight = trainer.model.token_embedding.weight.data
             checks[f"{schedule} tied copies equal after step {step + 1}"] = (
                 identical_over(topo.embedding_comm, weight), True)
-    assert_everywhere(checks)
+    assert_on_every_rank(checks)
 
 
 @pytest.mark.parallel(nprocs=4)
@@ -169,7 +154,7 @@ def test_pipeline_four_stages_peak_in_flight():
         trainer = make_trainer(pipeline=4, schedule=schedule, train=tiny_train(global_batch_size=global_batch))
         topo, m = trainer.topo, trainer.num_microbatches
         label = f"{schedule} m={m}"
-        checks[f"{label} m"] = (m, global_batch // trainer.cfg.micro_batch_size)
+        checks[f"{label} m"] = (m, global_batch // trainer.train_cfg.micro_batch_size)
         for step in range(2):
             snap = one_step(trainer, tokens)
             checks[f"{label} peak step {step}"] = (trainer.last_pipeline_stats.peak_in_flight,
@@ -180,4 +165,40 @@ def test_pipeline_four_stages_peak_in_flight():
         copies = MPI.COMM_WORLD.allgather(weight)
         ends_equal = np.array_equal(copies[0], copies[-1])
         checks[f"{label} tied copies equal"] = (ends_equal, True)
-    assert_everywhere(checks)
+    assert_on_every_rank(checks)
+
+
+def test_buckets_cover_the_buffer_along_parameter_boundaries_last_layer_first():
+    trainer = make_trainer(bucket_size=3000)
+    store, buckets = trainer.model.store, trainer.optimizer.buckets.buckets
+    starts = {lo for lo, _ in store.offsets.values()}
+    assert buckets[0][1] == store.size and buckets[-1][0] == 0
+    assert all(hi == next_lo for (_, hi, _), (next_lo, _, _) in zip(buckets[1:], buckets))   # contiguous
+    assert all(lo in starts for lo, _, _ in buckets)
+    assert set().union(*(names for _, _, names in buckets)) == set(store.offsets)
+    # the last block's parameters are in the first bucket, the embeddings in the last
+    assert any(n.startswith(f"blocks.{trainer.model_cfg.n_layers - 1}.") for n in buckets[0][2])
+    assert "embedding.token.weight" in buckets[-1][2]
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_overlapped_buckets_start_during_the_backward():
+    """With overlap, every bucket but the one holding the tied embedding is started
+    inside the last micro-batch's backward; the optimizer then only waits."""
+    checks, tokens = {}, tiny_tokens()
+    for overlap in (True, False):
+        trainer = make_trainer(data=2, bucket_size=3000, overlap_grad_reduce=overlap)
+        buckets = trainer.optimizer.buckets
+        started = []
+        original = trainer.model.finalize_grads
+
+        def finalize(grads_ready, original=original, buckets=buckets):
+            started.append(len(buckets.pending))      # in flight before the tied embedding is final
+            original(grads_ready)
+        trainer.model.finalize_grads = finalize
+        snap = one_step(trainer, tokens)
+        n = len(buckets.buckets)
+        checks[f"overlap={overlap} started in backward"] = (started[0], n - 1 if overlap else 0)
+        checks[f"overlap={overlap} calls"] = (measured(snap, "dp.all_reduce", "calls"), n + 1)
+        checks[f"overlap={overlap} seconds counted"] = measured(snap, "dp.all_reduce", "seconds") > 0
+    assert_on_every_rank(checks)

@@ -11,23 +11,11 @@ from numpitron.data import prepare
 from numpitron.data.batches import batch_rng, global_batch, load_tokens, sample_windows
 from numpitron.data.tokenizer import CharTokenizer
 from numpitron.errors import UserError
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SHAKESPEARE_CANDIDATES = [
-    Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt",
-    REPO_ROOT / "data/tinyshakespeare.txt",
-]
-
+from tests.conftest import shakespeare_text_path
 
 @pytest.fixture(scope="module")
 def shakespeare_path() -> Path:
-    for candidate in SHAKESPEARE_CANDIDATES:
-        if candidate.is_file():
-            return candidate
-    pytest.fail(
-        "Tiny Shakespeare not found; put tinyshakespeare.txt at one of: "
-        + ", ".join(str(c) for c in SHAKESPEARE_CANDIDATES)
-    )
+    return shakespeare_text_path()
 
 
 @pytest.fixture(scope="module")

@@ -8,36 +8,29 @@ import numpy as np
 import pytest
 
 from numpitron.checkpoint import save_checkpoint
-from numpitron.config import ParallelConfig
 from numpitron.data.tokenizer import CharTokenizer
 from numpitron.distributed.topology import Topology
-from numpitron.generate import _prefill, _step, generate
+from numpitron.generate import generate, next_token_logits
 from numpitron.model import GPTStage
-from numpitron.trainer import Trainer
 from tests.conftest import REPO
-from tests.harness import tiny_model, tiny_tokens, tiny_train
+from tests.harness import make_trainer, tiny_model, tiny_tokens, tiny_train
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
 
-def full_forward_logits(model, ids):
-    B, T = ids.shape
-    logits, _ = model.forward(ids, B, T)
-    return logits.reshape(B, T, -1)[:, :, :model.cfg.vocab_size]
-
-
 def test_kv_cache_matches_full_forward():
+    """The model's own forward, given a cache, one position at a time (and a prompt
+    of 5 at once) gives the logits of one full forward."""
     cfg = tiny_model()
     model = GPTStage(cfg, Topology.serial(), seed=3)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, cfg.seq_len))
-    expected = full_forward_logits(model, ids)
-    kv = [(np.zeros((2, cfg.n_heads, cfg.seq_len, cfg.head_dim)), np.zeros((2, cfg.n_heads, cfg.seq_len, cfg.head_dim)))
-          for _ in model.blocks]
+    expected = model.forward(ids)[0][:, :, :cfg.vocab_size]
+    kv = model.new_kv_cache(2)
     prompt = 5
-    got = [_prefill(model, ids[:, :prompt], kv)]
+    got = [next_token_logits(model, ids[:, :prompt], kv)]
     for pos in range(prompt, cfg.seq_len):
-        got.append(_step(model, ids[:, pos], kv, pos))
-    got = np.stack(got, axis=1)
-    assert rel_diff(got, expected[:, prompt - 1:]) <= EQUIV_RTOL_FLOAT64
+        got.append(next_token_logits(model, ids[:, pos:pos + 1], kv))
+    assert kv.pos == cfg.seq_len
+    assert rel_diff(np.stack(got, axis=1), expected[:, prompt - 1:]) <= EQUIV_RTOL_FLOAT64
 
 
 def test_same_seed_same_tokens_and_window_slides_past_seq_len():
@@ -55,7 +48,7 @@ def test_same_seed_same_tokens_and_window_slides_past_seq_len():
 def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     cfg = tiny_model("float32")
-    trainer = Trainer(cfg, ParallelConfig().validate(cfg), tiny_train(), Topology.serial())
+    trainer = make_trainer(cfg, tiny_train(), Topology.serial())
     for _ in range(3):
         trainer.train_step(tiny_tokens())
     chars = [chr(c) for c in range(ord("0"), ord("0") + 65)]

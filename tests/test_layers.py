@@ -1,8 +1,11 @@
 """Every layer's backward against central finite differences (serial, float64).
 
-For a layer y = f(x; params) the scalar L = sum(y * R), R random and fixed, has
-dL/dy = R, so `backward(R, cache)` must give dL/dx and accumulate dL/dparam. Each
-entry is compared with (L(a + eps) - L(a - eps)) / (2 eps) for that entry.
+Every layer is driven the same way, through the one layer contract: for
+y, cache = layer.forward(x, **context) and the scalar L = sum(y * R), R random and
+fixed, dL/dy = R. `backward_input(R, cache)` must give dL/dx and leave every weight
+gradient untouched; `backward_weights(cache)` must then accumulate dL/dparam; and
+`backward` must do exactly both. Each entry is compared with
+(L(a + eps) - L(a - eps)) / (2 eps) for that entry.
 """
 
 import numpy as np
@@ -13,8 +16,9 @@ from numpitron.model import GPTStage
 from numpitron.nn.attention import ParallelAttention
 from numpitron.nn.block import Block
 from numpitron.nn.cross_entropy import VocabParallelCrossEntropy
-from numpitron.nn.embedding import PositionEmbedding, TiedLMHead, VocabParallelEmbedding
+from numpitron.nn.embedding import Embeddings, PositionEmbedding, VocabParallelEmbedding, VocabShard
 from numpitron.nn.functional import gelu_backward, gelu_forward
+from numpitron.nn.head import LanguageModelHead, TiedLMHead
 from numpitron.nn.layernorm import LayerNorm
 from numpitron.nn.linear import ColumnParallelLinear, RowParallelLinear
 from numpitron.nn.mlp import ParallelMLP
@@ -22,7 +26,6 @@ from numpitron.nn.param import ParamStore
 from tests.tolerances import EQUIV_RTOL_FLOAT64, FD_ATOL, FD_EPS, FD_RTOL, rel_diff
 
 B, T, C, H = 2, 5, 8, 2
-N = B * T
 V = 11
 SERIAL = Topology.serial()
 
@@ -61,99 +64,116 @@ def assert_fd(name, analytic, output, weights, array, indices=None):
     assert np.any(numeric != 0), f"{name}: finite differences are all zero, the check is vacuous"
 
 
-def check_layer(forward, backward, params, x=None, seed=0):
-    """forward(x) -> (y, cache); backward(dy, cache) -> dx. Checks dL/dx (if x is
-    given) and the gradient of every parameter, L = sum(forward(x) * R)."""
+def check_layer(layer, x, params=None, seed=0, **context):
+    """Both halves of the backward against finite differences, and `backward` equal
+    to them bit for bit. x: the input (float: its gradient is checked too; integer
+    token ids: no gradient)."""
+    params = layer.parameters() if params is None else params
     store = make_store(params, seed=seed + 10)
+    differentiable = np.issubdtype(x.dtype, np.floating)
 
     def output():
-        return forward(None if x is None else x.copy())[0]
+        return layer.forward(x.copy(), **context)[0]
 
-    R = np.random.default_rng(seed).normal(size=output().shape)
+    R = np.random.default_rng(seed).normal(size=np.shape(output()))
     store.zero_grad()
-    dx = backward(R.copy(), forward(None if x is None else x.copy())[1])
-    grads = {p.name: p.grad.copy() for p in params}
-    if x is not None:
-        assert dx.shape == x.shape
+    cache = layer.forward(x.copy(), **context)[1]
+    dx = layer.backward_input(R.copy(), cache)
+    assert not np.any(store.grad), "backward_input must leave the weight gradients alone"
+    layer.backward_weights(cache)
+    grads = store.grad.copy()
+    store.zero_grad()
+    dx_both = layer.backward(R.copy(), layer.forward(x.copy(), **context)[1])
+    assert np.array_equal(store.grad, grads), "backward must equal backward_input + backward_weights"
+    if differentiable:
+        assert dx.shape == x.shape and np.array_equal(dx, dx_both)
         assert_fd("dx", dx, output, R, x)
+    else:
+        assert dx is None and dx_both is None
     for p in params:
-        assert_fd(p.name, grads[p.name], output, R, p.data)
+        assert_fd(p.name, store.view(grads, p.name), output, R, p.data)
 
 
-def rand_x(shape=(N, C), seed=1):
+def rand_x(shape=(B, T, C), seed=1):
     return np.random.default_rng(seed).normal(size=shape)
 
 
+def token_ids(seed=2):
+    ids = np.random.default_rng(seed).integers(0, V, (B, T))
+    ids[0, :3] = ids[1, 0]                # repeated ids: their gradients must add up
+    return ids
+
+
 def test_layernorm():
-    ln = LayerNorm("ln", C)
-    check_layer(ln.forward, ln.backward, ln.parameters(), rand_x())
+    check_layer(LayerNorm("ln", C), rand_x())
 
 
 def test_column_parallel_linear_groups_1_and_3():
     for groups in (1, 3):
         lin = ColumnParallelLinear(f"col{groups}", C, 6, SERIAL, groups=groups)
-        check_layer(lin.forward, lin.backward, lin.parameters(), rand_x(), seed=groups)
+        check_layer(lin, rand_x(), seed=groups)
         y = lin.forward(rand_x())[0]
-        assert y.shape == (N, 6 * groups)
+        assert y.shape == (B, T, 6 * groups)
         # group g's block of outputs is x @ W[:, g, :] + b[g]
         w, b = lin.weight.data.reshape(C, groups, 6), lin.bias.data.reshape(groups, 6)
-        expected = np.concatenate([rand_x() @ w[:, g] + b[g] for g in range(groups)], axis=1)
+        expected = np.concatenate([rand_x() @ w[:, g] + b[g] for g in range(groups)], axis=-1)
         assert rel_diff(y, expected) <= EQUIV_RTOL_FLOAT64
 
 
 def test_row_parallel_linear():
-    lin = RowParallelLinear("row", 12, C, SERIAL)
-    check_layer(lin.forward, lin.backward, lin.parameters(), rand_x((N, 12)))
+    check_layer(RowParallelLinear("row", 12, C, SERIAL), rand_x((B, T, 12)))
 
 
 def test_mlp():
-    mlp = ParallelMLP("mlp", C, SERIAL, out_std=0.3)
-    check_layer(mlp.forward, mlp.backward, mlp.parameters(), rand_x())
+    check_layer(ParallelMLP("mlp", C, SERIAL, out_std=0.3), rand_x())
 
 
 def test_attention():
-    attn = ParallelAttention("attn", C, H, SERIAL, out_std=0.3)
-    check_layer(lambda x: attn.forward(x, B, T), attn.backward, attn.parameters(), rand_x())
+    check_layer(ParallelAttention("attn", C, H, SERIAL, out_std=0.3), rand_x())
 
 
 def test_attention_is_causal():
     attn = ParallelAttention("attn", C, H, SERIAL, out_std=0.3)
     make_store(attn.parameters())
     x = rand_x()
-    y = attn.forward(x.copy(), B, T)[0].reshape(B, T, C)
+    y = attn.forward(x.copy())[0]
     for t in range(T - 1):
-        changed = x.reshape(B, T, C).copy()
+        changed = x.copy()
         changed[:, t + 1:] += np.random.default_rng(t).normal(size=changed[:, t + 1:].shape)
-        y2 = attn.forward(changed.reshape(N, C), B, T)[0].reshape(B, T, C)
+        y2 = attn.forward(changed)[0]
         assert np.array_equal(y2[:, :t + 1], y[:, :t + 1]), f"position <= {t} saw the future"
         assert not np.allclose(y2[:, t + 1:], y[:, t + 1:]), "later positions must see the change"
 
 
 def test_block():
-    block = Block("blocks.0", C, H, 2, SERIAL)
-    check_layer(lambda x: block.forward(x, B, T), block.backward, block.parameters(), rand_x())
+    check_layer(Block("blocks.0", C, H, 2, SERIAL), rand_x())
 
 
 def test_embeddings():
-    emb = VocabParallelEmbedding("tok", V, C, SERIAL)
-    idx = np.random.default_rng(2).integers(0, V, N)
-    idx[:3] = idx[3]                      # repeated ids: their gradients must add up
-    check_layer(lambda _: emb.forward(idx), lambda dy, c: emb.backward(dy, c), emb.parameters())
+    token = VocabParallelEmbedding("tok", V, C, SERIAL)
+    check_layer(token, token_ids())
     pos = PositionEmbedding("pos", T + 2, C)  # longer table than T: unused rows get no grad
-    check_layer(lambda _: (pos.forward(B, T), None), lambda dy, _: pos.backward(dy, B, T), pos.parameters())
+    check_layer(pos, token_ids())
     assert np.all(pos.weight.grad[T:] == 0)
+    check_layer(Embeddings(VocabParallelEmbedding("tok", V, C, SERIAL), PositionEmbedding("pos", T, C)), token_ids())
 
 
 def test_tied_lm_head():
     emb = VocabParallelEmbedding("tok", V, C, SERIAL)
-    head = TiedLMHead(emb)
-    check_layer(head.forward, head.backward, emb.parameters(), rand_x())
+    check_layer(TiedLMHead(emb), rand_x(), params=emb.parameters())
+
+
+def test_language_model_head_loss():
+    emb = VocabParallelEmbedding("tok", V, C, SERIAL)
+    head = LanguageModelHead(emb, C, SERIAL)
+    targets = token_ids(seed=4)
+    check_layer(head, rand_x(), params=emb.parameters() + head.parameters(), targets=targets)
 
 
 def test_cross_entropy_gradient():
-    ce = VocabParallelCrossEntropy(V, 0, SERIAL)
-    logits = rand_x((N, V)) * 2
-    targets = np.random.default_rng(5).integers(0, V, N)
+    ce = VocabParallelCrossEntropy(VocabShard(V, 1, 0), SERIAL)
+    logits = rand_x((B, T, V)) * 2
+    targets = np.random.default_rng(5).integers(0, V, (B, T))
     dloss = 1.7
     loss = lambda: ce.forward(logits.copy(), targets)[0]             # noqa: E731
     dlogits = ce.backward(dloss, ce.forward(logits.copy(), targets)[1])
@@ -161,11 +181,11 @@ def test_cross_entropy_gradient():
 
 
 def test_cross_entropy_equals_minus_log_softmax():
-    ce = VocabParallelCrossEntropy(V, 0, SERIAL)
-    logits = rand_x((N, V)) * 3
-    targets = np.random.default_rng(6).integers(0, V, N)
+    ce = VocabParallelCrossEntropy(VocabShard(V, 1, 0), SERIAL)
+    logits = rand_x((B * T, V)) * 3
+    targets = np.random.default_rng(6).integers(0, V, B * T)
     probs = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
-    expected = -np.mean(np.log(probs[np.arange(N), targets]))
+    expected = -np.mean(np.log(probs[np.arange(B * T), targets]))
     loss, _ = ce.forward(logits.copy(), targets)
     assert rel_diff(loss, expected) <= EQUIV_RTOL_FLOAT64
 
@@ -201,14 +221,22 @@ def tiny_stage():
 
 def test_gpt_stage_loss_gradient_on_random_parameter_subset():
     model, tokens, targets = tiny_stage()
-    loss = lambda: model.forward(tokens, B, T, targets)[0]          # noqa: E731
+    loss = lambda: model.forward(tokens, targets)[0]                # noqa: E731
     model.store.zero_grad()
-    _, cache = model.forward(tokens, B, T, targets)
+    _, cache = model.forward(tokens, targets)
     assert model.backward(1.0, cache) is None
     subset = np.random.default_rng(1).choice(model.store.numel, 200, replace=False)
     assert_fd("gpt", model.store.grad.copy(), loss, 1.0, model.store.data, subset)
+    # the two halves, run a whole stage apart (as a zero-bubble schedule would), give
+    # the same gradients bit for bit
+    both = model.store.grad.copy()
+    model.store.zero_grad()
+    _, cache = model.forward(tokens, targets)
+    assert model.backward_input(1.0, cache) is None and not np.any(model.store.grad)
+    model.backward_weights(cache)
+    assert np.array_equal(model.store.grad, both)
     # every kind of parameter must carry gradient (LN gains, biases, embeddings)
-    assert all(np.any(p.grad != 0) for p in model.params), [p.name for p in model.params if not np.any(p.grad)]
+    assert all(np.any(p.grad != 0) for p in model.parameters()), [p.name for p in model.parameters() if not np.any(p.grad)]
 
 
 def test_gradients_accumulate():
@@ -216,19 +244,19 @@ def test_gradients_accumulate():
     block = Block("blocks.0", C, H, 2, SERIAL)
     store = make_store(block.parameters())
     dy = rand_x(seed=7)
-    block.backward(dy, block.forward(rand_x(), B, T)[1])
+    block.backward(dy, block.forward(rand_x())[1])
     once = store.grad.copy()
-    block.backward(dy, block.forward(rand_x(), B, T)[1])
+    block.backward(dy, block.forward(rand_x())[1])
     assert np.all(once[:store.numel] != 0)
     assert np.array_equal(store.grad, 2 * once)
     # The whole stage: the tied embedding sums two contributions (embedding and head),
     # so (E + H) + H + E == 2 (E + H) only up to rounding.
     model, tokens, targets = tiny_stage()
     model.store.zero_grad()
-    model.backward(1.0, model.forward(tokens, B, T, targets)[1])
+    model.backward(1.0, model.forward(tokens, targets)[1])
     once = model.store.grad.copy()
-    model.backward(1.0, model.forward(tokens, B, T, targets)[1])
+    model.backward(1.0, model.forward(tokens, targets)[1])
     assert np.any(once != 0)
     assert rel_diff(model.store.grad, 2 * once) <= EQUIV_RTOL_FLOAT64
     model.store.zero_grad()
-    assert not np.any(model.store.grad) and all(not np.any(p.grad) for p in model.params)
+    assert not np.any(model.store.grad) and all(not np.any(p.grad) for p in model.parameters())

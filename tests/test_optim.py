@@ -14,7 +14,7 @@ from numpitron.model import GPTStage
 from numpitron.optim.adamw import AdamW
 from numpitron.optim.grad_norm import clip_, global_grad_norm
 from numpitron.optim.schedule import learning_rate
-from numpitron.parallel.zero import make_optimizer
+from numpitron.parallel.optimizer import make_optimizer
 from tests.tolerances import CLIP_RTOL, EQUIV_RTOL_FLOAT64, rel_diff
 
 B1, B2, EPS, WD = 0.9, 0.95, 1e-3, 0.1     # eps large enough that where it goes matters
@@ -149,15 +149,15 @@ def test_global_grad_norm_serial_is_the_plain_norm():
 
 def test_decay_mask_is_matrices_and_embeddings_only():
     model = GPTStage(tiny_cfg(), Topology.serial(), seed=0)
-    names = [p.name for p in model.params]
+    names = [p.name for p in model.parameters()]
     assert "embedding.token.weight" in names and "embedding.position.weight" in names
-    for p in model.params:
+    for p in model.parameters():
         parts = p.name.split(".")
         is_norm = parts[-2] in ("ln1", "ln2", "ln_f")
         expected = 0.0 if parts[-1] == "bias" or is_norm else 1.0
         start, stop = model.store.offsets[p.name]
         assert np.all(model.store.decay_mask[start:stop] == expected), p.name
     # and the decayed tensors are exactly the >= 2-D weights of linears and embeddings
-    decayed = {p.name for p in model.params if model.store.decay_mask[model.store.offsets[p.name][0]]}
+    decayed = {p.name for p in model.parameters() if model.store.decay_mask[model.store.offsets[p.name][0]]}
     assert all(name.endswith("weight") and "ln" not in name for name in decayed)
     assert len(decayed) == 2 + 4 * 2                           # 2 embeddings + 4 linears per block

@@ -18,10 +18,12 @@ from numpitron.distributed.topology import Topology
 from numpitron.model import GPTStage
 from numpitron.nn.attention import ParallelAttention
 from numpitron.nn.cross_entropy import VocabParallelCrossEntropy
-from numpitron.nn.embedding import TiedLMHead, VocabParallelEmbedding
+from numpitron.nn.embedding import VocabParallelEmbedding
+from numpitron.nn.head import TiedLMHead
 from numpitron.nn.linear import ColumnParallelLinear, RowParallelLinear
 from numpitron.nn.mlp import ParallelMLP
 from numpitron.nn.param import ParamStore, pad_to_full
+from tests.harness import assert_close_on_every_rank, assert_on_every_rank
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
 B, T, C, H, V = 2, 5, 8, 4, 65      # vocab 65 pads to 66 (tp=2) and 68 (tp=4)
@@ -63,11 +65,8 @@ def grad_diffs(params, serial_params, topo):
 
 def agree_and_assert(diffs, flags=None):
     """All ranks learn all figures, then all assert the same thing."""
-    everyone = MPI.COMM_WORLD.allgather((diffs, flags or {}))
-    worst = {k: max(d[k] for d, _ in everyone) for k in diffs}
-    failed = [k for _, f in everyone for k, ok in f.items() if not ok]
-    assert max(worst.values(), default=0.0) <= EQUIV_RTOL_FLOAT64, worst
-    assert not failed, failed
+    assert_on_every_rank(flags or {})
+    assert_close_on_every_rank(diffs, EQUIV_RTOL_FLOAT64)
 
 
 def cols(topo, n):
@@ -124,11 +123,10 @@ def test_attention_and_mlp():
     }
     for name, factory in factories.items():
         (layer, params), (ref, ref_params) = build(factory, topo), build(factory, serial)
-        fwd = (lambda l, x: l.forward(x, B, T)) if name == "attn" else (lambda l, x: l.forward(x))
-        x, dy = data(N, C, seed=5), data(N, C, seed=6)
-        y_ref, cache_ref = fwd(ref, x.copy())
+        x, dy = data(B, T, C, seed=5), data(B, T, C, seed=6)      # one contract: (B, T, C) in and out
+        y_ref, cache_ref = ref.forward(x.copy())
         dx_ref = ref.backward(dy.copy(), cache_ref)
-        y, cache = fwd(layer, x.copy())
+        y, cache = layer.forward(x.copy())
         dx = layer.backward(dy.copy(), cache)
         diffs.update({f"{name}.y": rel_diff(y, y_ref), f"{name}.dx": rel_diff(dx, dx_ref)})
         diffs.update(grad_diffs(params, ref_params, topo))
@@ -144,8 +142,8 @@ def test_vocab_embedding_tied_head_and_cross_entropy_with_padding():
         return emb, emb.parameters()
     (emb, params), (ref, ref_params) = build(factory, topo), build(factory, serial)
     head, ref_head = TiedLMHead(emb), TiedLMHead(ref)
-    ce = VocabParallelCrossEntropy(V, emb.vocab_start, topo)
-    ref_ce = VocabParallelCrossEntropy(V, 0, serial)
+    ce = VocabParallelCrossEntropy(emb.shard, topo)
+    ref_ce = VocabParallelCrossEntropy(ref.shard, serial)
     rng = np.random.default_rng(7)
     idx, targets = rng.integers(0, V, N), rng.integers(0, V, N)
     idx[:2], targets[:2] = V - 1, V - 1                 # the last real row, beside the padding
@@ -160,9 +158,9 @@ def test_vocab_embedding_tied_head_and_cross_entropy_with_padding():
 
     x, emb_cache = emb.forward(idx)
     logits, head_cache = head.forward(h.copy())
-    start, local = emb.vocab_start, logits.shape[1]
+    start, local = emb.shard.start, logits.shape[1]
     real = np.arange(start, start + local) < V           # this rank's columns that are real
-    masked = ce.mask_padding(logits.copy())
+    masked = emb.shard.mask_padding(logits.copy())
     loss, ce_cache = ce.forward(logits.copy(), targets)
     dlogits = ce.backward(1.0, ce_cache)
     dh = head.backward(dlogits.copy(), head_cache)
@@ -195,18 +193,18 @@ def test_gpt_stage_init_and_replicated_grads():
     tokens, targets = rng.integers(0, V, (2, 8)), rng.integers(0, V, (2, 8))
     for m in (model, ref):
         m.store.zero_grad()
-        m.backward(1.0, m.forward(tokens, 2, 8, targets)[1])
+        m.backward(1.0, m.forward(tokens, targets)[1])
     grads = gather_full(model, topo, {"grad": model.store.grad})
     flags, diffs = {}, {}
     if topo.rank == 0:
-        flags["same names"] = init["params"].keys() == {p.name for p in ref.params}
-        for p in ref.params:
+        flags["same names"] = init["params"].keys() == {p.name for p in ref.parameters()}
+        for p in ref.parameters():
             flags[f"init {p.name}"] = np.array_equal(init["params"][p.name], p.data)
             diffs[p.name] = rel_diff(grads["grad"][p.name], p.grad)
     diffs = MPI.COMM_WORLD.bcast(diffs, root=0)
     # Replicated tensors (LayerNorms, row-parallel biases, positions) must get
     # bit-identical gradients on every tp rank: no rank may drift from the others.
-    replicated = [p for p in model.params if p.split_axis is None]
+    replicated = [p for p in model.parameters() if p.split_axis is None]
     assert {p.name.split(".")[-2] for p in replicated} >= {"ln1", "ln2", "proj", "position"}
     for p in replicated:
         copies = topo.tp_comm.mpi.allgather(p.grad)

@@ -14,17 +14,11 @@ import pytest
 from mpi4py import MPI
 
 from numpitron.checkpoint import load_checkpoint, save_checkpoint
-from numpitron.config import ParallelConfig
 from numpitron.distributed.topology import Topology
-from numpitron.trainer import Trainer
-from tests.harness import serial_reference, tiny_model, tiny_tokens, tiny_train
+from tests.harness import make_trainer, serial_reference, train_steps, tiny_model, tiny_tokens, tiny_train
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
 TARGETS = [dict(), dict(tensor=2), dict(pipeline=2), dict(data=2, zero_stage=1), dict(tensor=2, data=2)]
-
-
-def train_steps(trainer, steps):
-    return [trainer.train_step(tiny_tokens())["train_loss"] for _ in range(steps)]
 
 
 @pytest.mark.parallel(nprocs=8)
@@ -34,8 +28,7 @@ def test_save_on_3d_mesh_resume_on_every_layout():
     root = Path(world.bcast(tempfile.mkdtemp(prefix="numpitron-reshard-") if world.rank == 0 else None))
     try:
         topo = Topology.from_world(2, 2, 2)
-        source = Trainer(model_cfg, ParallelConfig(tensor=2, pipeline=2, data=2, zero_stage=1).validate(model_cfg),
-                         train_cfg, topo)
+        source = make_trainer(model_cfg, train_cfg, topo, zero_stage=1)
         first_half = train_steps(source, 6)
         path = save_checkpoint(root, source, keep=1)
         reference, _, _, _ = serial_reference(model_cfg, train_cfg, steps=12)
@@ -46,8 +39,8 @@ def test_save_on_3d_mesh_resume_on_every_layout():
             if sub != MPI.COMM_NULL:
                 sub_topo = Topology.from_world(target.get("tensor", 1), target.get("pipeline", 1),
                                                target.get("data", 1), world=sub)
-                parallel = ParallelConfig(**target).validate(model_cfg)
-                resumed = Trainer(model_cfg, parallel, train_cfg, sub_topo)
+                strategy = {k: v for k, v in target.items() if k not in ("tensor", "pipeline", "data")}
+                resumed = make_trainer(model_cfg, train_cfg, sub_topo, **strategy)
                 load_checkpoint(path, resumed)
                 assert resumed.iteration == 6
                 diffs[str(target)] = rel_diff(train_steps(resumed, 6), reference[6:])

@@ -2,10 +2,9 @@
 
 import numpy as np
 
-from numpitron.config import ParallelConfig
 from numpitron.data.tokenizer import CharTokenizer
 from numpitron.distributed.topology import Topology
-from numpitron.trainer import Trainer
+from tests.harness import make_trainer
 from tests.harness import tiny_model, tiny_train
 
 
@@ -14,7 +13,7 @@ def test_short_run_lowers_the_loss():
     tok = CharTokenizer.from_text(text)
     tokens = tok.encode(text)
     cfg = tiny_model("float32", vocab_size=tok.vocab_size)
-    trainer = Trainer(cfg, ParallelConfig().validate(cfg), tiny_train(lr=3e-3, max_iters=60), Topology.serial())
+    trainer = make_trainer(cfg, tiny_train(lr=3e-3, max_iters=60), Topology.serial())
     losses = [trainer.train_step(tokens)["train_loss"] for _ in range(60)]
     assert np.log(tok.vocab_size) - 0.2 < losses[0] < np.log(tok.vocab_size) + 0.2   # starts near uniform
     assert np.mean(losses[-5:]) < 0.5 * losses[0], losses[-5:]

@@ -74,6 +74,7 @@ def import_npz(npz_file, root) -> Path:
     fields = {
         "model_config": to_dict(model_cfg),
         "parallel_config": to_dict(ParallelConfig()),
+        "mesh": None,                   # not written by a training run
         "train_config": None,           # unknown: the archive has weights only
         "iteration": 0,
         "adam_step": 0,

@@ -9,7 +9,6 @@ depend on the mesh that wrote them. The manifest records each file's shape, dtyp
 size and CRC-32, and every reader checks all four before trusting a byte of it.
 """
 
-import hashlib
 import json
 import os
 import re
@@ -59,18 +58,13 @@ def tensor_relpath(kind: str, name: str) -> str:
     return f"{kind}/{name}.npy"
 
 
-def file_checksum(path: Path, algorithm: str = "crc32") -> str:
-    """Hex digest of a file's bytes, read in chunks so large tensors never sit in memory twice."""
+def file_checksum(path: Path) -> str:
+    """CRC-32 of a file's bytes as hex, read in chunks so large tensors never sit in memory twice."""
+    crc = 0
     with open(path, "rb") as f:
-        if algorithm == "crc32":
-            crc = 0
-            while chunk := f.read(_CHUNK):
-                crc = zlib.crc32(chunk, crc)
-            return f"{crc:08x}"
-        digest = hashlib.sha256()
         while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-        return digest.hexdigest()
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
 
 
 def describe_tensor_file(path: Path, array: np.ndarray) -> dict:
@@ -132,11 +126,10 @@ def verify_tensor_file(directory: Path, relpath: str, entry: dict) -> np.ndarray
     if size != entry.get("bytes"):
         raise UserError(f"corrupt checkpoint {directory}: {relpath} has {size} bytes, "
                         f"the manifest says {entry.get('bytes')} (truncated or overwritten?)")
-    algorithm = "crc32" if "crc32" in entry else "sha256" if "sha256" in entry else None
-    if algorithm is None:
+    if "crc32" not in entry:
         raise UserError(f"corrupt checkpoint manifest in {directory}: {relpath} has no checksum")
-    if file_checksum(path, algorithm) != entry[algorithm]:
-        raise UserError(f"corrupt checkpoint {directory}: {relpath} fails its {algorithm} checksum")
+    if file_checksum(path) != entry["crc32"]:
+        raise UserError(f"corrupt checkpoint {directory}: {relpath} fails its crc32 checksum")
     dtype, shape = _npy_header(path, directory, relpath)
     if dtype.hasobject:
         raise UserError(f"checkpoint {directory}: {relpath} holds Python objects and would need pickle; "

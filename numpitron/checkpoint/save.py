@@ -54,14 +54,13 @@ def save_checkpoint(root, trainer, keep: int = 2, protect: Path | None = None, e
 
 def checkpoint_fields(trainer) -> dict:
     """Everything in the manifest except the tensor table."""
-    topo, seed = trainer.topo, trainer.cfg.seed
-    # The mesh actually used, whatever the parallel config's defaults said.
-    mesh = {**to_dict(trainer.parallel_cfg), "tensor": topo.tp, "pipeline": topo.pp, "data": topo.dp}
+    topo, seed = trainer.topo, trainer.train_cfg.seed
     best = trainer.best_val_loss
     return {
         "model_config": to_dict(trainer.model_cfg),
-        "parallel_config": mesh,
-        "train_config": to_dict(trainer.cfg),
+        "parallel_config": to_dict(trainer.parallel_cfg),
+        "mesh": {"tensor": topo.tp, "pipeline": topo.pp, "data": topo.dp},     # informative: any mesh loads it
+        "train_config": to_dict(trainer.train_cfg),
         "iteration": int(trainer.iteration),
         "adam_step": int(trainer.optimizer.adam.step_count),
         # JSON has no infinity: "no evaluation yet" is stored as null.

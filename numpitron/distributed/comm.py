@@ -10,35 +10,54 @@ it against the formula for each parallel strategy:
     all_gather        (n-1)/n * bytes(full output)
     send / recv               bytes(buffer)
 
+Each call also adds its seconds (for non-blocking calls: the seconds spent waiting).
 On a communicator of size 1 every collective is a no-op that counts nothing, so a
 single process runs the same code as a mesh.
 """
 
+import time
 from collections import defaultdict
 
 import numpy as np
 
 
 class CommStats:
-    """Bytes and calls per collective kind, shared by all communicators of a topology."""
+    """Bytes, calls and seconds per collective kind, shared by the communicators of
+    a topology. For a non-blocking call the seconds are those spent waiting for it:
+    the part of its time that computation did not hide."""
 
     def __init__(self):
         self.bytes = defaultdict(float)
         self.calls = defaultdict(int)
+        self.seconds = defaultdict(float)
 
-    def add(self, kind: str, nbytes: float) -> None:
+    def add(self, kind: str, nbytes: float, seconds: float = 0.0) -> None:
         self.bytes[kind] += nbytes
         self.calls[kind] += 1
+        self.seconds[kind] += seconds
 
     def total_bytes(self) -> float:
         return sum(self.bytes.values())
 
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
     def snapshot(self) -> dict:
-        return {kind: {"bytes": self.bytes[kind], "calls": self.calls[kind]} for kind in sorted(self.bytes)}
+        return {kind: {"bytes": self.bytes[kind], "calls": self.calls[kind], "seconds": self.seconds[kind]}
+                for kind in sorted(self.bytes)}
 
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self.seconds.clear()
+
+
+class Pending:
+    """A non-blocking collective in flight: `Comm.wait` completes it (and counts the
+    seconds spent waiting), `Comm.test` lets MPI progress it without blocking."""
+
+    def __init__(self, request, kind: str):
+        self.request, self.kind, self.done = request, kind, request is None
 
 
 class Comm:
@@ -54,23 +73,48 @@ class Comm:
     def __repr__(self) -> str:
         return f"Comm({self.name}, rank {self.rank} of {self.size})"
 
-    def _count(self, kind: str, nbytes: float) -> None:
-        self.stats.add(f"{self.name}.{kind}", nbytes)
+    def _timed(self, kind: str, nbytes: float, call) -> None:
+        start = time.perf_counter()
+        call()
+        self.stats.add(f"{self.name}.{kind}", nbytes, time.perf_counter() - start)
 
     def all_reduce(self, buf: np.ndarray, op: str = "sum") -> np.ndarray:
         """In-place reduction of `buf` over the group (op: sum or max)."""
         if self.size > 1:
             from mpi4py import MPI
-            self.mpi.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX if op == "max" else MPI.SUM)
-            self._count("all_reduce", 2 * (self.size - 1) / self.size * buf.nbytes)
+            self._timed("all_reduce", 2 * (self.size - 1) / self.size * buf.nbytes,
+                        lambda: self.mpi.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX if op == "max" else MPI.SUM))
         return buf
+
+    def iall_reduce(self, buf: np.ndarray) -> Pending:
+        """Start an in-place sum of `buf` over the group; `wait` before reading it."""
+        if self.size == 1:
+            return Pending(None, "")
+        from mpi4py import MPI
+        kind = f"{self.name}.all_reduce"
+        self.stats.add(kind, 2 * (self.size - 1) / self.size * buf.nbytes)
+        return Pending(self.mpi.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), kind)
+
+    def wait(self, pending: Pending) -> None:
+        if not pending.done:
+            start = time.perf_counter()
+            pending.request.Wait()
+            pending.done = True
+            self.stats.seconds[pending.kind] += time.perf_counter() - start
+
+    def test(self, pending: list[Pending]) -> None:
+        """MPI progresses a non-blocking collective only inside MPI calls: a cheap
+        test between two layers' backward keeps the in-flight ones moving."""
+        for p in pending:
+            if not p.done:
+                p.done = p.request.Test()
 
     def reduce_scatter(self, full: np.ndarray, shard: np.ndarray) -> np.ndarray:
         """Sum `full` over the group; this rank receives its 1/n slice into `shard`."""
         if self.size > 1:
             from mpi4py import MPI
-            self.mpi.Reduce_scatter_block(full, shard, op=MPI.SUM)
-            self._count("reduce_scatter", (self.size - 1) / self.size * full.nbytes)
+            self._timed("reduce_scatter", (self.size - 1) / self.size * full.nbytes,
+                        lambda: self.mpi.Reduce_scatter_block(full, shard, op=MPI.SUM))
         else:
             shard[...] = full
         return shard
@@ -79,23 +123,21 @@ class Comm:
         """In place: rank r's slice r of `full` is filled in on every rank."""
         if self.size > 1:
             from mpi4py import MPI
-            self.mpi.Allgather(MPI.IN_PLACE, full)
-            self._count("all_gather", (self.size - 1) / self.size * full.nbytes)
+            self._timed("all_gather", (self.size - 1) / self.size * full.nbytes,
+                        lambda: self.mpi.Allgather(MPI.IN_PLACE, full))
         return full
 
     def gather(self, shard: np.ndarray, full: np.ndarray | None, root: int = 0):
         """Concatenate every rank's `shard` along axis 0 into `full` on `root`."""
         if self.size > 1:
-            self.mpi.Gather(shard, full, root=root)
-            self._count("gather", shard.nbytes)
+            self._timed("gather", shard.nbytes, lambda: self.mpi.Gather(shard, full, root=root))
         else:
             full[...] = shard
         return full
 
     def broadcast(self, buf: np.ndarray, root: int = 0) -> np.ndarray:
         if self.size > 1:
-            self.mpi.Bcast(buf, root=root)
-            self._count("broadcast", buf.nbytes)
+            self._timed("broadcast", buf.nbytes, lambda: self.mpi.Bcast(buf, root=root))
         return buf
 
     def broadcast_object(self, obj, root: int = 0):
@@ -110,30 +152,22 @@ class Comm:
         return self.mpi.allreduce(value, op=MPI.MAX)
 
     def send(self, buf: np.ndarray, dest: int, tag: int = 0) -> None:
-        self.mpi.Send(buf, dest=dest, tag=tag)
-        self._count("send", buf.nbytes)
+        self._timed("send", buf.nbytes, lambda: self.mpi.Send(buf, dest=dest, tag=tag))
 
     def recv(self, buf: np.ndarray, source: int, tag: int = 0) -> np.ndarray:
-        self.mpi.Recv(buf, source=source, tag=tag)
-        self._count("recv", buf.nbytes)
+        """Blocking: the seconds counted include waiting for the sender."""
+        self._timed("recv", buf.nbytes, lambda: self.mpi.Recv(buf, source=source, tag=tag))
         return buf
 
-    def isend(self, buf: np.ndarray, dest: int, tag: int = 0):
-        """Non-blocking send; the caller keeps `buf` alive until the request completes."""
-        self._count("send", buf.nbytes)
-        return self.mpi.Isend(buf, dest=dest, tag=tag)
+    def isend(self, buf: np.ndarray, dest: int, tag: int = 0) -> Pending:
+        """Non-blocking send; the caller keeps `buf` alive until it is waited for."""
+        self.stats.add(f"{self.name}.send", buf.nbytes)
+        return Pending(self.mpi.Isend(buf, dest=dest, tag=tag), f"{self.name}.send")
 
-    def irecv(self, buf: np.ndarray, source: int, tag: int = 0):
-        self._count("recv", buf.nbytes)
-        return self.mpi.Irecv(buf, source=source, tag=tag)
+    def wait_all(self, pending: list[Pending]) -> None:
+        for p in pending:
+            self.wait(p)
 
     def barrier(self) -> None:
         if self.size > 1:
             self.mpi.Barrier()
-
-
-def wait_all(requests) -> None:
-    """Complete a list of non-blocking requests (a no-op for an empty list)."""
-    if requests:
-        from mpi4py import MPI
-        MPI.Request.Waitall(list(requests))

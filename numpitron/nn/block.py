@@ -3,11 +3,12 @@
 import math
 
 from numpitron.nn.attention import ParallelAttention
+from numpitron.nn.layer import Layer
 from numpitron.nn.layernorm import LayerNorm
 from numpitron.nn.mlp import ParallelMLP
 
 
-class Block:
+class Block(Layer):
     def __init__(self, name: str, d_model: int, n_heads: int, n_layers: int, topo):
         # GPT-2: residual output projections scaled by 1/sqrt(2 * n_layers)
         out_std = 0.02 / math.sqrt(2 * n_layers)
@@ -19,29 +20,24 @@ class Block:
     def parameters(self):
         return self.ln1.parameters() + self.attn.parameters() + self.ln2.parameters() + self.mlp.parameters()
 
-    def forward(self, x, B, T):
-        # x: (N, C) residual stream, replicated over tp
+    def forward(self, x, kv=None):
+        # x: (B, T, C) residual stream, replicated over tp
         h, ln1_cache = self.ln1.forward(x)
-        a, attn_cache = self.attn.forward(h, B, T)
+        a, attn_cache = self.attn.forward(h, kv=kv)
         x = x + a
         h, ln2_cache = self.ln2.forward(x)
         m, mlp_cache = self.mlp.forward(h)
         x += m
-        return x, (ln1_cache, attn_cache, ln2_cache, mlp_cache)
+        return x, {"ln1": ln1_cache, "attn": attn_cache, "ln2": ln2_cache, "mlp": mlp_cache}
 
-    def backward(self, dx, cache):
-        ln1_cache, attn_cache, ln2_cache, mlp_cache = cache
-        dh = self.mlp.backward(dx, mlp_cache)
-        dx = dx + self.ln2.backward(dh, ln2_cache)
-        dh = self.attn.backward(dx, attn_cache)
-        dx += self.ln1.backward(dh, ln1_cache)
-        return dx
+    def backward_input(self, dx, cache):
+        # New arrays, never +=: the inner layers keep the gradients they were given
+        # for their weight half.
+        dh = self.mlp.backward_input(dx, cache["mlp"])
+        dx = dx + self.ln2.backward_input(dh, cache["ln2"])
+        dh = self.attn.backward_input(dx, cache["attn"])
+        return dx + self.ln1.backward_input(dh, cache["ln1"])
 
-    def decode(self, x, kv, pos):
-        """Incremental forward for generation; x: (B, t, C)."""
-        B, t, C = x.shape
-        h, _ = self.ln1.forward(x.reshape(B * t, C))
-        x = x + self.attn.decode(h.reshape(B, t, C), kv, pos)
-        h, _ = self.ln2.forward(x.reshape(B * t, C))
-        m, _ = self.mlp.forward(h)
-        return x + m.reshape(B, t, C)
+    def backward_weights(self, cache):
+        for name in ("mlp", "ln2", "attn", "ln1"):
+            getattr(self, name).backward_weights(cache[name])

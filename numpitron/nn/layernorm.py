@@ -7,10 +7,11 @@ parameter gradients are identical too and need no communication.
 
 import numpy as np
 
+from numpitron.nn.layer import Layer, rows
 from numpitron.nn.param import Param
 
 
-class LayerNorm:
+class LayerNorm(Layer):
     def __init__(self, name: str, dim: int, eps: float = 1e-5):
         self.eps = eps
         self.weight = Param(f"{name}.weight", (dim,), init="ones", decay=False)
@@ -20,33 +21,36 @@ class LayerNorm:
         return [self.weight, self.bias]
 
     def forward(self, x):
-        # x: (N, C)
-        mean = x.mean(axis=1, keepdims=True)
+        # x: (B, T, C), normalised over C
+        mean = x.mean(axis=-1, keepdims=True)
         xhat = x - mean
         y = np.multiply(xhat, xhat)                  # scratch for the variance, then the output
-        var = y.mean(axis=1, keepdims=True)
+        var = y.mean(axis=-1, keepdims=True)
         var += self.eps
         rstd = np.sqrt(var, out=var)
         np.reciprocal(rstd, out=rstd)
         xhat *= rstd
         np.multiply(xhat, self.weight.data, out=y)
         y += self.bias.data
-        return y, (xhat, rstd)
+        return y, {"xhat": xhat, "rstd": rstd}
 
-    def backward(self, dy, cache):
-        xhat, rstd = cache
-        w = self.weight.data
-        dy_xhat = dy * xhat
-        self.weight.grad += dy_xhat.sum(axis=0)
-        self.bias.grad += dy.sum(axis=0)
+    def backward_input(self, dy, cache):
+        xhat, rstd, w = rows(cache["xhat"]), rows(cache["rstd"]), self.weight.data
+        dy2 = rows(dy)
+        dy_xhat = dy2 * xhat                         # kept: the weight gradient sums it
+        cache["dy"], cache["dy_xhat"] = dy2, dy_xhat
         # Closed form: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * weight.
         # The two row means are matrix-vector products (BLAS): mean(g) = dy @ w / C and
         # mean(g * xhat) = (dy * xhat) @ w / C.
         inv_c = 1.0 / xhat.shape[1]
-        mean_g = (dy @ w)[:, None] * inv_c
+        mean_g = (dy2 @ w)[:, None] * inv_c
         mean_gx = (dy_xhat @ w)[:, None] * inv_c
-        g = dy * w
+        g = dy2 * w
         g -= mean_g
-        g -= np.multiply(xhat, mean_gx, out=dy_xhat)
+        g -= xhat * mean_gx
         g *= rstd
-        return g
+        return g.reshape(dy.shape)
+
+    def backward_weights(self, cache):
+        self.weight.grad += cache["dy_xhat"].sum(axis=0)
+        self.bias.grad += cache["dy"].sum(axis=0)

@@ -12,11 +12,12 @@ Put together (column then row), an MLP or an attention layer costs one all-reduc
 forward and one backward.
 """
 
+from numpitron.nn.layer import Layer, rows
 from numpitron.nn.param import Param
 
 
-class ColumnParallelLinear:
-    """y[:, local outputs] = x @ W[:, local outputs] + b[local outputs].
+class ColumnParallelLinear(Layer):
+    """y[..., local outputs] = x @ W[:, local outputs] + b[local outputs].
 
     With `groups` > 1 the output is `groups` concatenated blocks (attention's
     q|k|v) and every rank takes its slice of each block, so rank r holds the q, k
@@ -34,24 +35,29 @@ class ColumnParallelLinear:
     def parameters(self) -> list[Param]:
         return [self.weight, self.bias]
 
+    def _w(self):
+        return self.weight.data.reshape(self.weight.local_shape[0], -1)
+
     def forward(self, x):
-        # x: (N, in) replicated -> y: (N, out / tp)
-        w = self.weight.data.reshape(x.shape[1], -1)
-        y = x @ w
+        # x: (B, T, in) replicated over tp -> y: (B, T, out / tp)
+        y = rows(x) @ self._w()
         y += self.bias.data.reshape(-1)
-        return y, x
+        return y.reshape(*x.shape[:-1], -1), {"x": x}
 
-    def backward(self, dy, x):
-        w = self.weight.data.reshape(x.shape[1], -1)
-        self.weight.grad.reshape(w.shape)[...] += x.T @ dy
+    def backward_input(self, dy, cache):
+        cache["dy"] = dy
+        dx = rows(dy) @ self._w().T    # this rank's share of dL/dx
+        self.tp.all_reduce(dx)         # Megatron's "f" in backward: sum the shares over tp
+        return dx.reshape(cache["x"].shape)
+
+    def backward_weights(self, cache):
+        dy = rows(cache["dy"])
+        self.weight.grad.reshape(-1, dy.shape[1])[...] += rows(cache["x"]).T @ dy
         self.bias.grad.reshape(-1)[...] += dy.sum(axis=0)
-        dx = dy @ w.T              # this rank's share of dL/dx
-        self.tp.all_reduce(dx)     # Megatron's "f" in backward: sum the shares over tp
-        return dx
 
 
-class RowParallelLinear:
-    """y = sum over tp of x[:, local inputs] @ W[local inputs, :], then + b."""
+class RowParallelLinear(Layer):
+    """y = sum over tp of x[..., local inputs] @ W[local inputs, :], then + b."""
 
     def __init__(self, name: str, in_features: int, out_features: int, topo, std: float = 0.02):
         self.tp = topo.tp_comm
@@ -63,13 +69,17 @@ class RowParallelLinear:
         return [self.weight, self.bias]
 
     def forward(self, x):
-        # x: (N, in / tp) -> y: (N, out) replicated
-        y = x @ self.weight.data   # partial sum over this rank's inputs
-        self.tp.all_reduce(y)      # Megatron's "g" in forward: sum the partials over tp
-        y += self.bias.data        # once, after the sum
-        return y, x
+        # x: (B, T, in / tp) -> y: (B, T, out) replicated over tp
+        y = rows(x) @ self.weight.data   # partial sum over this rank's inputs
+        self.tp.all_reduce(y)            # Megatron's "g" in forward: sum the partials over tp
+        y += self.bias.data              # once, after the sum
+        return y.reshape(*x.shape[:-1], -1), {"x": x}
 
-    def backward(self, dy, x):
-        self.weight.grad += x.T @ dy
+    def backward_input(self, dy, cache):
+        cache["dy"] = dy                 # no communication: dy is replicated over tp
+        return (rows(dy) @ self.weight.data.T).reshape(cache["x"].shape)
+
+    def backward_weights(self, cache):
+        dy = rows(cache["dy"])
+        self.weight.grad += rows(cache["x"]).T @ dy
         self.bias.grad += dy.sum(axis=0)
-        return dy @ self.weight.data.T   # no communication: dy is replicated

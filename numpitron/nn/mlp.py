@@ -5,10 +5,11 @@ no communication in between (Shoeybi et al. 2019, §3, Fig. 3a).
 """
 
 from numpitron.nn.functional import gelu_backward, gelu_forward
+from numpitron.nn.layer import Layer
 from numpitron.nn.linear import ColumnParallelLinear, RowParallelLinear
 
 
-class ParallelMLP:
+class ParallelMLP(Layer):
     def __init__(self, name: str, d_model: int, topo, out_std: float):
         self.fc = ColumnParallelLinear(f"{name}.fc", d_model, 4 * d_model, topo)
         self.proj = RowParallelLinear(f"{name}.proj", 4 * d_model, d_model, topo, std=out_std)
@@ -17,13 +18,16 @@ class ParallelMLP:
         return self.fc.parameters() + self.proj.parameters()
 
     def forward(self, x):
-        h, fc_cache = self.fc.forward(x)          # (N, 4C / tp)
+        h, fc_cache = self.fc.forward(x)          # (B, T, 4C / tp)
         a, tanh_term = gelu_forward(h)
-        y, proj_cache = self.proj.forward(a)      # (N, C)
-        return y, (fc_cache, h, tanh_term, proj_cache)
+        y, proj_cache = self.proj.forward(a)      # (B, T, C)
+        return y, {"fc": fc_cache, "h": h, "tanh": tanh_term, "proj": proj_cache}
 
-    def backward(self, dy, cache):
-        fc_cache, h, tanh_term, proj_cache = cache
-        da = self.proj.backward(dy, proj_cache)
-        dh = gelu_backward(da, h, tanh_term)
-        return self.fc.backward(dh, fc_cache)
+    def backward_input(self, dy, cache):
+        da = self.proj.backward_input(dy, cache["proj"])
+        dh = gelu_backward(da, cache["h"], cache["tanh"])
+        return self.fc.backward_input(dh, cache["fc"])
+
+    def backward_weights(self, cache):
+        self.proj.backward_weights(cache["proj"])
+        self.fc.backward_weights(cache["fc"])

@@ -2,7 +2,7 @@
 living as views into one flat buffer per pipeline stage.
 
 The flat buffers are what make the parallel machinery simple: data parallelism
-all-reduces a few large slices of the gradient buffer, ZeRO-1 hands each rank one
+all-reduces a few large slices (buckets) of the gradient buffer, ZeRO-1 hands each rank one
 contiguous slice of it, and AdamW is a single vectorised update over the whole
 buffer (or a slice). Checkpoints and gradient norms are generic over `Param`.
 """
@@ -75,11 +75,11 @@ def pad_to_full(logical: np.ndarray, full_shape: tuple) -> np.ndarray:
 class ParamStore:
     """One stage's parameters as views into a flat data buffer and a flat grad buffer.
 
-    The buffers are padded to a multiple of `pad_multiple` (the dp size under ZeRO-1,
-    so that every rank owns an equal contiguous slice).
+    `size` may exceed the parameters' `numel`: an optimizer that shards the buffers
+    over dp pads them (`pad_to_multiple`) so every rank owns an equal slice.
     """
 
-    def __init__(self, params: list[Param], dtype, tp_rank: int = 0, pad_multiple: int = 1):
+    def __init__(self, params: list[Param], dtype, tp_rank: int = 0):
         names = [p.name for p in params]
         self.by_name = {p.name: p for p in params}
         if len(set(names)) != len(names):
@@ -93,19 +93,32 @@ class ParamStore:
             self.offsets[p.name] = (offset, offset + n)
             offset += n
         self.numel = offset                      # real elements
-        self.size = -(-offset // pad_multiple) * pad_multiple
-        self.data = np.zeros(self.size, self.dtype)
-        self.grad = np.zeros(self.size, self.dtype)
-        self.decay_mask = np.zeros(self.size, self.dtype)
-        self.norm_mask = np.zeros(self.size, self.dtype)
-        for p in params:
+        self.tp_rank = tp_rank
+        self._allocate(self.numel)
+
+    def _allocate(self, size: int, old_data=None) -> None:
+        self.size = size
+        self.data = np.zeros(size, self.dtype)
+        self.grad = np.zeros(size, self.dtype)
+        if old_data is not None:
+            self.data[:self.numel] = old_data[:self.numel]
+        self.decay_mask = np.zeros(size, self.dtype)
+        self.norm_mask = np.zeros(size, self.dtype)
+        for p in self.params:
             start, stop = self.offsets[p.name]
             p.data = self.data[start:stop].reshape(p.local_shape)
             p.grad = self.grad[start:stop].reshape(p.local_shape)
             self.decay_mask[start:stop] = p.decay
             # Counted in the global gradient norm on this rank? A tp-replicated tensor
             # once (on tp rank 0), a split one on every rank (each holds a slice).
-            self.norm_mask[start:stop] = p.in_norm and (p.split_axis is not None or tp_rank == 0)
+            self.norm_mask[start:stop] = p.in_norm and (p.split_axis is not None or self.tp_rank == 0)
+
+    def pad_to_multiple(self, multiple: int) -> None:
+        """Grow the buffers with zeros to a multiple of `multiple` elements, keeping the
+        parameters' values (every Param is pointed at the new buffers)."""
+        size = -(-self.numel // multiple) * multiple
+        if size != self.size:
+            self._allocate(size, old_data=self.data)
 
     def initialize(self, seed: int) -> None:
         for p in self.params:

@@ -1,48 +1,79 @@
-"""Plain data parallelism (ZeRO stage 0): every dp rank keeps the whole optimizer.
+"""Plain data parallelism (ZeRO stage 0): every dp rank keeps the whole optimizer,
+and gradients are averaged over dp in buckets that overlap the backward.
 
-Gradients are averaged over the dp group straight from the stage's flat gradient
-buffer, in buckets of `bucket_size` elements: a few large all-reduces instead of
-one per parameter (and every parameter included, by construction).
+The flat gradient buffer is cut into buckets of about `bucket_size` elements, along
+parameter boundaries, from the end of the buffer: the backward produces the last
+layers' gradients first. During the last micro-batch's backward the model reports
+each layer's finished gradients (`grads_ready`); once every parameter of a bucket is
+in, its all-reduce starts, non-blocking, while the backward of earlier layers goes
+on. `step` waits for them next to the math that needs the sum. This is what
+PyTorch DDP, Megatron-LM and picotron do; across hosts it hides most of the reduce.
 """
 
-from numpitron.optim.adamw import AdamW
+from numpitron.optim.distributed import DistributedOptimizer
 from numpitron.optim.grad_norm import clip_, global_grad_norm
 
 
-def average_gradients(grad, dp_comm, bucket_size: int) -> None:
-    for start in range(0, grad.size, bucket_size):
-        dp_comm.all_reduce(grad[start:start + bucket_size])
-    grad *= 1.0 / dp_comm.size
+class GradientBuckets:
+    def __init__(self, store, dp_comm, bucket_size: int, overlap: bool = True):
+        self.grad, self.dp, self.overlap = store.grad, dp_comm, overlap
+        self.buckets = []                 # [lo, hi) of the flat buffer, last first
+        names, hi = [], store.size        # the padding, if any, rides in the first bucket
+        for p in reversed(store.params):
+            names.append(p.name)
+            lo = store.offsets[p.name][0]
+            if hi - lo >= bucket_size or lo == 0:
+                self.buckets.append((lo, hi, frozenset(names)))
+                names, hi = [], lo
+        self.reset()
+
+    def reset(self) -> None:
+        self.reported, self.pending = set(), {}
+
+    def ready(self, params) -> None:
+        """Start the all-reduce of every bucket whose gradients are now all final."""
+        if not self.overlap or self.dp.size == 1:
+            return
+        self.reported.update(p.name for p in params)
+        for index, (lo, hi, names) in enumerate(self.buckets):
+            if index not in self.pending and names <= self.reported:
+                self.pending[index] = self.dp.iall_reduce(self.grad[lo:hi])
+        self.dp.test(list(self.pending.values()))
+
+    def average(self) -> None:
+        """Every bucket summed over dp (waiting for those in flight, reducing the rest
+        now), then divided by dp: the gradient of the global batch."""
+        for index, (lo, hi, _) in enumerate(self.buckets):
+            if index in self.pending:
+                self.dp.wait(self.pending[index])
+            else:
+                self.dp.all_reduce(self.grad[lo:hi])
+        self.grad *= 1.0 / self.dp.size
+        self.reset()
 
 
-class DataParallelOptimizer:
-    """All-reduce gradients over dp, clip by the global norm, AdamW on the full stage."""
+class DataParallelOptimizer(DistributedOptimizer):
+    """Average gradients over dp, clip by the global norm, AdamW on the full stage."""
 
     zero_stage = 0
 
-    def __init__(self, store, topo, train_cfg, bucket_size: int):
-        self.store, self.topo, self.cfg, self.bucket_size = store, topo, train_cfg, bucket_size
-        self.adam = AdamW(store.size, store.dtype, train_cfg.beta1, train_cfg.beta2,
-                          train_cfg.eps, train_cfg.weight_decay)
-        self.lo, self.hi = 0, store.size          # the slice of the stage this rank updates
+    def __init__(self, store, topo, train_cfg, parallel_cfg):
+        super().__init__(store, topo, train_cfg, 0, store.size)
+        self.buckets = GradientBuckets(store, topo.dp_comm, parallel_cfg.bucket_size,
+                                       parallel_cfg.overlap_grad_reduce)
+
+    def grads_ready(self, params) -> None:
+        self.buckets.ready(params)
 
     def step(self, lr: float) -> float:
         """Returns the global gradient norm before clipping."""
         grad = self.store.grad
-        average_gradients(grad, self.topo.dp_comm, self.bucket_size)
+        self.buckets.average()
         # Gradients are now identical across dp: the norm spans one model replica.
         norm = global_grad_norm(grad, self.store.norm_mask, self.topo.model_comm)
-        clip_(grad, norm, self.cfg.grad_clip)
+        clip_(grad, norm, self.train_cfg.grad_clip)
         self.adam.update(self.store.data, grad, self.store.decay_mask, lr)
         return norm
 
     def full_moments(self):
-        """Adam's m and v laid out like the stage's flat buffer (for checkpoints)."""
         return self.adam.m, self.adam.v
-
-    def load_moments(self, m_full, v_full, step_count: int) -> None:
-        """m and v laid out like the stage's flat buffer: keep this rank's slice."""
-        self.adam.load_state(m_full[self.lo:self.hi], v_full[self.lo:self.hi], step_count)
-
-    def state_nbytes(self) -> int:
-        return self.adam.state_nbytes

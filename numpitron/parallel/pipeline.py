@@ -19,8 +19,6 @@ import time
 
 import numpy as np
 
-from numpitron.distributed.comm import wait_all
-
 FORWARD, BACKWARD = "F", "B"
 ACTIVATION_TAG, GRADIENT_TAG = 0, 1
 
@@ -41,6 +39,11 @@ def one_f_one_b_schedule(m: int, stages: int, stage: int) -> list[tuple[str, int
 SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule}
 
 
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """The idle share of an iteration for GPipe and 1F1B: (p-1)/(m+p-1)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
 class PipelineStats:
     """What one iteration of a schedule did on this stage: compute intervals (for the
     bubble and the timeline figure) and the peak number of micro-batches in flight."""
@@ -59,46 +62,54 @@ class PipelineStats:
         return 1.0 - self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def run_schedule(model, topo, microbatches, schedule: str, loss_weight: float):
+def _receive_input(model, topo, tokens):
+    """The first stage's input is the token ids; every other stage's arrives from the
+    previous stage, received just before it is needed."""
+    if model.first:
+        return tokens
+    B, T = tokens.shape
+    return topo.pp_comm.recv(np.empty(model.input_shape(B, T), model.dtype), topo.prev_stage, ACTIVATION_TAG)
+
+
+def run_schedule(model, topo, microbatches, schedule: str, loss_weight: float, grads_ready=None):
     """Forward and backward every micro-batch of this dp rank through this stage.
 
     microbatches: list of (tokens, targets), each (B, T); every stage gets them for
     their shape, only the first uses tokens and only the last targets. Gradients
-    accumulate into the model's flat gradient buffer. Returns (losses, stats), the
-    losses (one per micro-batch) on the last stage only.
+    accumulate into the model's flat gradient buffer; the last backward of the
+    iteration reports finished gradients to `grads_ready`. Returns (losses, stats),
+    the losses (one per micro-batch) on the last stage only.
     """
-    pp = topo.pp_comm
+    pp_comm = topo.pp_comm
     ops = SCHEDULES[schedule](len(microbatches), topo.pp, topo.pp_rank)
+    last_backward = max(i for i, (op, _) in enumerate(ops) if op == BACKWARD)
     in_flight, pending_sends, losses = {}, [], []
     stats = PipelineStats()
     t0 = time.perf_counter()
-    for op, i in ops:
+    for index, (op, i) in enumerate(ops):
         tokens, targets = microbatches[i]
-        B, T = tokens.shape
         if op == FORWARD:
-            if model.first:
-                inputs = tokens
-            else:
-                inputs = pp.recv(np.empty(model.input_shape(B, T), model.dtype), topo.prev_stage, ACTIVATION_TAG)
+            inputs = _receive_input(model, topo, tokens)
             start = time.perf_counter()
-            out, in_flight[i] = model.forward(inputs, B, T, targets if model.last else None)
+            out, in_flight[i] = model.forward(inputs, targets)
             stats.events.append((op, i, start - t0, time.perf_counter() - t0))
             stats.peak_in_flight = max(stats.peak_in_flight, len(in_flight))
             if model.last:
                 losses.append(out)
             else:
-                pending_sends.append(pp.isend(out, topo.next_stage, ACTIVATION_TAG))
+                pending_sends.append(pp_comm.isend(out, topo.next_stage, ACTIVATION_TAG))
         else:
             if model.last:
                 dout = loss_weight
             else:
-                dout = pp.recv(np.empty(model.input_shape(B, T), model.dtype), topo.next_stage, GRADIENT_TAG)
+                B, T = tokens.shape
+                dout = pp_comm.recv(np.empty(model.input_shape(B, T), model.dtype), topo.next_stage, GRADIENT_TAG)
             start = time.perf_counter()
-            dinputs = model.backward(dout, in_flight.pop(i))
+            dinputs = model.backward(dout, in_flight.pop(i), grads_ready if index == last_backward else None)
             stats.events.append((op, i, start - t0, time.perf_counter() - t0))
             if not model.first:
-                pending_sends.append(pp.isend(dinputs, topo.prev_stage, GRADIENT_TAG))
-    wait_all(pending_sends)
+                pending_sends.append(pp_comm.isend(dinputs, topo.prev_stage, GRADIENT_TAG))
+    pp_comm.wait_all(pending_sends)
     stats.wall_s = time.perf_counter() - t0
     return losses, stats
 
@@ -106,24 +117,12 @@ def run_schedule(model, topo, microbatches, schedule: str, loss_weight: float):
 def forward_only(model, topo, microbatches):
     """Evaluation: forward every micro-batch through the pipeline, keeping no caches.
     Returns the losses on the last stage (an empty list elsewhere)."""
-    pp, losses, pending_sends = topo.pp_comm, [], []
+    pp_comm, losses, pending_sends = topo.pp_comm, [], []
     for tokens, targets in microbatches:
-        B, T = tokens.shape
-        if model.first:
-            inputs = tokens
-        else:
-            inputs = pp.recv(np.empty(model.input_shape(B, T), model.dtype), topo.prev_stage, ACTIVATION_TAG)
-        out, _ = model.forward(inputs, B, T, targets if model.last else None)
+        out, _ = model.forward(_receive_input(model, topo, tokens), targets)
         if model.last:
             losses.append(out)
         else:
-            pending_sends.append(pp.isend(out, topo.next_stage, ACTIVATION_TAG))
-    wait_all(pending_sends)
+            pending_sends.append(pp_comm.isend(out, topo.next_stage, ACTIVATION_TAG))
+    pp_comm.wait_all(pending_sends)
     return losses
-
-
-def sync_tied_embedding(model, topo) -> None:
-    """Sum the token embedding's gradient over its two copies (first and last stage),
-    so both apply the same update and never drift apart (as Megatron does)."""
-    if model.first or model.last:
-        topo.embedding_comm.all_reduce(model.token_embedding.weight.grad)

@@ -1,7 +1,7 @@
 """ZeRO stage 1 (Rajbhandari et al. 2020, §5.1, P_os): optimizer state sharded over dp.
 
 Each dp rank owns one contiguous 1/dp slice [lo, hi) of the stage's flat parameter
-buffer (padded so the slices are equal). Per step:
+buffer, which it pads to a multiple of dp so the slices are equal. Per step:
 
   1. reduce-scatter the gradients: rank r receives the dp-sum of slice r only;
   2. the global norm from the slices (each element lives on exactly one dp rank);
@@ -15,19 +15,17 @@ is implemented as exactly those two phases): ZeRO-1 saves memory for free.
 import numpy as np
 
 from numpitron.distributed.sharding import shard_bounds
-from numpitron.optim.adamw import AdamW
+from numpitron.optim.distributed import DistributedOptimizer
 from numpitron.optim.grad_norm import clip_, global_grad_norm
 
 
-class ZeroOneOptimizer:
+class ZeroOneOptimizer(DistributedOptimizer):
     zero_stage = 1
 
-    def __init__(self, store, topo, train_cfg):
-        self.store, self.topo, self.cfg = store, topo, train_cfg
-        self.lo, self.hi = shard_bounds(store.size, topo.dp, topo.dp_rank)
+    def __init__(self, store, topo, train_cfg, parallel_cfg=None):
+        store.pad_to_multiple(topo.dp)
+        super().__init__(store, topo, train_cfg, *shard_bounds(store.size, topo.dp, topo.dp_rank))
         self.grad_shard = np.zeros(self.hi - self.lo, store.dtype)
-        self.adam = AdamW(self.hi - self.lo, store.dtype, train_cfg.beta1, train_cfg.beta2,
-                          train_cfg.eps, train_cfg.weight_decay)
 
     def step(self, lr: float) -> float:
         dp = self.topo.dp_comm
@@ -36,7 +34,7 @@ class ZeroOneOptimizer:
         self.grad_shard *= 1.0 / dp.size
         # 2. Slices are disjoint over dp and stages over pp; the mask handles tp.
         norm = global_grad_norm(self.grad_shard, self.store.norm_mask[lo:hi], self.topo.world)
-        clip_(self.grad_shard, norm, self.cfg.grad_clip)
+        clip_(self.grad_shard, norm, self.train_cfg.grad_clip)
         self.adam.update(self.store.data[lo:hi], self.grad_shard,       # 3.
                          self.store.decay_mask[lo:hi], lr)
         dp.all_gather(self.store.data)                                  # 4.
@@ -50,17 +48,3 @@ class ZeroOneOptimizer:
             buf[self.lo:self.hi] = shard
             full.append(self.topo.dp_comm.all_gather(buf))
         return tuple(full)
-
-    def load_moments(self, m_full, v_full, step_count: int) -> None:
-        """m and v laid out like the stage's flat buffer: keep this rank's slice."""
-        self.adam.load_state(m_full[self.lo:self.hi], v_full[self.lo:self.hi], step_count)
-
-    def state_nbytes(self) -> int:
-        return self.adam.state_nbytes
-
-
-def make_optimizer(store, topo, train_cfg, parallel_cfg):
-    from numpitron.parallel.data_parallel import DataParallelOptimizer
-    if parallel_cfg.zero_stage == 1:
-        return ZeroOneOptimizer(store, topo, train_cfg)
-    return DataParallelOptimizer(store, topo, train_cfg, parallel_cfg.bucket_size)

@@ -1,0 +1,62 @@
+"""The last stage's output layer: final LayerNorm, the LM head tied to the token
+embedding, and the vocabulary-parallel loss."""
+
+from numpitron.nn.cross_entropy import VocabParallelCrossEntropy
+from numpitron.nn.layer import Layer, rows
+from numpitron.nn.layernorm import LayerNorm
+
+
+class TiedLMHead(Layer):
+    """logits[..., v0:v1] = h @ E[v0:v1].T, with E the token embedding's weight.
+    Its parameter is the embedding's, so it lists none of its own."""
+
+    def __init__(self, embedding):
+        self.embedding = embedding
+        self.tp = embedding.tp
+
+    def forward(self, h):
+        # h: (B, T, C) -> (B, T, V / tp)
+        logits = rows(h) @ self.embedding.weight.data.T
+        return logits.reshape(*h.shape[:-1], -1), {"h": h}
+
+    def backward_input(self, dlogits, cache):
+        cache["dy"] = dlogits
+        dh = rows(dlogits) @ self.embedding.weight.data   # this vocabulary slice's share of dL/dh
+        self.tp.all_reduce(dh)                            # "f": sum the shares over tp
+        return dh.reshape(cache["h"].shape)
+
+    def backward_weights(self, cache):
+        self.embedding.weight.grad += rows(cache["dy"]).T @ rows(cache["h"])
+
+
+class LanguageModelHead(Layer):
+    """ln_f -> tied head -> loss (or, without targets, the vocabulary-sharded logits
+    with padding masked). Its parameters are ln_f's: the head's weight is the token
+    embedding's, listed by whoever owns that copy."""
+
+    def __init__(self, token_embedding, d_model: int, topo):
+        self.ln_f = LayerNorm("ln_f", d_model)
+        self.head = TiedLMHead(token_embedding)
+        self.loss = VocabParallelCrossEntropy(token_embedding.shard, topo)
+
+    def parameters(self):
+        return self.ln_f.parameters()
+
+    def forward(self, x, targets=None):
+        # x: (B, T, C) -> mean loss, or logits (B, T, V/tp)
+        h, ln_cache = self.ln_f.forward(x)
+        logits, head_cache = self.head.forward(h)
+        cache = {"ln_f": ln_cache, "head": head_cache}
+        if targets is None:
+            return self.loss.shard.mask_padding(logits), cache
+        loss, cache["loss"] = self.loss.forward(logits, targets)
+        return loss, cache
+
+    def backward_input(self, dloss, cache):
+        dlogits = self.loss.backward_input(dloss, cache["loss"])
+        dh = self.head.backward_input(dlogits, cache["head"])
+        return self.ln_f.backward_input(dh, cache["ln_f"])
+
+    def backward_weights(self, cache):
+        self.head.backward_weights(cache["head"])
+        self.ln_f.backward_weights(cache["ln_f"])
