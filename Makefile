@@ -1,4 +1,4 @@
-# Two commands do all the set-up on a machine with only Python 3.11 and pip:
+# Two commands do all the set-up on a machine with only Python (3.10 or newer) and pip:
 #   make train   create .venv, prepare Tiny Shakespeare, train the default model, print a sample
 #   make test    create .venv and run the whole test suite (single- and multi-rank)
 PYTHON ?= python3

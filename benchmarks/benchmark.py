@@ -1,4 +1,4 @@
-"""Training-step throughput on any mesh, as one JSON object (DESIGN.md, "Yardsticks").
+"""Training-step throughput on any mesh, as one JSON object (docs/architecture.md, "Yardsticks").
 
     python benchmarks/benchmark.py                                   # one process
     mpiexec -n 2 python benchmarks/benchmark.py --tensor-parallel-size 2
@@ -6,17 +6,19 @@
 Every rank first times float32 sgemm on its one BLAS thread, all ranks at once, so
 the peak reflects the contention they will train under. Then it trains on random
 tokens (no data files), with a barrier before each step; an iteration's time is the
-slowest rank's. MPI time is measured by wrapping the library's `Comm` methods here
-(the library is not edited), so `comm_fraction` includes time spent waiting for a
-peer, e.g. a pipeline stage blocked in Recv during the bubble.
+slowest rank's. MPI time is what the library's `CommStats` counts: the seconds inside
+blocking calls and waiting for non-blocking ones, so `comm_fraction` includes time
+spent waiting for a peer (a pipeline stage blocked in Recv during the bubble) and
+excludes a gradient all-reduce that the backward hid. The flags are the training
+script's (numpitron/cli.py), plus --warmup, --iters and --glibc-malloc-defaults.
 """
 
-import argparse
 import json
 import os
 import resource
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,61 +30,21 @@ configure_process(sys.argv, tune_malloc="--glibc-malloc-defaults" not in sys.arg
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from numpitron.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
-from numpitron.distributed import comm as comm_module  # noqa: E402
-from numpitron.distributed.topology import Topology  # noqa: E402
-from numpitron.parallel import pipeline as pipeline_module  # noqa: E402
+from numpitron.cli import setup_training, training_parser  # noqa: E402
+from numpitron.config import ModelConfig  # noqa: E402
+from numpitron.parallel.pipeline import bubble_fraction  # noqa: E402
 from numpitron.trainer import Trainer  # noqa: E402
 
 VOCAB, N_TOKENS = 65, 200_000
-COMM_METHODS = ("all_reduce", "reduce_scatter", "all_gather", "gather", "broadcast",
-                "send", "recv", "isend", "irecv", "barrier")
-mpi_seconds = {"total": 0.0}    # this rank's time inside MPI calls since the last reset
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-parallel-size", type=int, default=1)
-    p.add_argument("--data-parallel-size", type=int, default=None)
-    p.add_argument("--pipeline-schedule", choices=["gpipe", "1f1b"], default="1f1b")
-    p.add_argument("--zero-stage", type=int, choices=[0, 1], default=0)
-    p.add_argument("--micro-batch-size", type=int, default=12)
-    p.add_argument("--global-batch-size", type=int, default=0, help="default: micro batch x dp")
-    for flag, default in (("--n-layers", 4), ("--n-heads", 4), ("--d-model", 128), ("--seq-len", 64)):
-        p.add_argument(flag, type=int, default=default)
-    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+def parse_args(argv=None):
+    p = training_parser(__doc__.splitlines()[0])
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--blas-threads", type=int, default=1, help="read by configure_process before NumPy starts")
     p.add_argument("--glibc-malloc-defaults", action="store_true",
                    help="skip the library's malloc tuning (numpitron/runtime.py), to measure what it buys")
-    return p.parse_args()
-
-
-def time_mpi_calls() -> None:
-    """Wrap Comm's collectives and the pipeline's Waitall with a timer. Size-1
-    communicators are no-ops in the library and are left untimed."""
-    def timed(method):
-        def wrapper(self, *args, **kwargs):
-            if self.size == 1:
-                return method(self, *args, **kwargs)
-            start = time.perf_counter()
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                mpi_seconds["total"] += time.perf_counter() - start
-        return wrapper
-
-    for name in COMM_METHODS:
-        setattr(comm_module.Comm, name, timed(getattr(comm_module.Comm, name)))
-    wait_all = pipeline_module.wait_all      # imported by name into the pipeline module
-
-    def timed_wait_all(requests):
-        start = time.perf_counter()
-        wait_all(requests)
-        mpi_seconds["total"] += time.perf_counter() - start
-    pipeline_module.wait_all = timed_wait_all
+    return p.parse_args(argv)
 
 
 def sgemm_gflops(m: int, k: int, n: int, dtype, reps: int) -> float:
@@ -129,16 +91,9 @@ def flops_per_token(cfg: ModelConfig) -> tuple[int, int]:
 
 
 def build_trainer(args):
-    model_cfg = ModelConfig(vocab_size=VOCAB, seq_len=args.seq_len, n_layers=args.n_layers,
-                            n_heads=args.n_heads, d_model=args.d_model, dtype=args.dtype).validate()
-    if MPI.COMM_WORLD.Get_size() == 1:
-        topo = Topology.serial()       # the single-process code path, as train_shakespeare uses
-    else:
-        topo = Topology.from_world(args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size)
-    parallel_cfg = ParallelConfig(tensor=topo.tp, pipeline=topo.pp, data=topo.dp, schedule=args.pipeline_schedule,
-                                  zero_stage=args.zero_stage).validate(model_cfg)
-    train_cfg = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-                            max_iters=args.warmup + args.iters, warmup_iters=0).validate()
+    model_cfg, parallel_cfg, train_cfg, topo = setup_training(args)
+    model_cfg = replace(model_cfg, vocab_size=VOCAB)
+    train_cfg = replace(train_cfg, max_iters=args.warmup + args.iters, warmup_iters=0)
     return Trainer(model_cfg, parallel_cfg, train_cfg, topo)
 
 
@@ -150,11 +105,11 @@ def timed_steps(trainer, tokens, iters: int, world) -> dict:
     cpu0, faults0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(iters):
         world.Barrier()                        # every rank starts the step together
-        mpi_seconds["total"] = 0.0
+        comm_s = trainer.topo.stats.total_seconds()
         start = time.perf_counter()
         trainer.train_step(tokens)
         step_s.append(time.perf_counter() - start)
-        mpi_s.append(mpi_seconds["total"])
+        mpi_s.append(trainer.topo.stats.total_seconds() - comm_s)
         stats = trainer.last_pipeline_stats
         bubbles.append((stats.busy_s, stats.wall_s))
     return {"step_s": step_s, "comm_fraction": sum(mpi_s) / sum(step_s), "bubbles": bubbles,
@@ -162,6 +117,7 @@ def timed_steps(trainer, tokens, iters: int, world) -> dict:
             # Minor page faults: memory glibc gave back to the OS and a later step touched again.
             "page_faults_per_iter": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / iters,
             "comm_bytes_per_iter": trainer.topo.stats.total_bytes() / iters,
+            "comm_seconds_per_iter_by_kind": {k: v["seconds"] / iters for k, v in trainer.topo.stats.snapshot().items()},
             "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,     # Linux: KiB
             "optimizer_state_bytes": trainer.optimizer.state_nbytes()}
 
@@ -182,7 +138,6 @@ def main():
     topo = trainer.topo
     # Same seed on every rank: every rank must see the same token stream.
     tokens = np.random.default_rng(0).integers(0, VOCAB, N_TOKENS).astype(np.uint16)
-    time_mpi_calls()
     for _ in range(args.warmup):
         trainer.train_step(tokens)
     machine0 = cpu_jiffies() if world.Get_rank() == 0 else None
@@ -205,6 +160,7 @@ def main():
     result = {
         "mesh": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "world": n_ranks,
                  "schedule": args.pipeline_schedule if topo.pp > 1 else None, "zero_stage": args.zero_stage,
+                 "overlap_grad_reduce": args.overlap_grad_reduce, "bucket_size": args.bucket_size,
                  "micro_batch": args.micro_batch_size, "global_batch": trainer.global_batch_size,
                  "num_microbatches": trainer.num_microbatches},
         "model": {"n_layers": args.n_layers, "n_heads": args.n_heads, "d_model": args.d_model,
@@ -228,6 +184,8 @@ def main():
         "comm_bytes_per_iter_by_kind": {k: v["bytes"] / args.iters for k, v in snapshot.items()},
         "comm_calls_per_iter_by_kind": {k: v["calls"] / args.iters for k, v in snapshot.items()},
         "comm_bytes_per_iter_per_rank": [r["comm_bytes_per_iter"] for r in ranks],
+        "comm_seconds_per_iter_by_kind_per_rank": [{k: round(v, 6) for k, v in r["comm_seconds_per_iter_by_kind"].items()}
+                                                   for r in ranks],
         "comm_fraction": round(float(np.mean([r["comm_fraction"] for r in ranks])), 4),
         "comm_fraction_per_rank": [round(r["comm_fraction"], 4) for r in ranks],
         "peak_rss_mb": round(max(r["peak_rss_kb"] for r in ranks) / 1024, 1),
@@ -245,7 +203,7 @@ def main():
                     for i in range(args.iters)]
         P, m = topo.pp, trainer.num_microbatches
         result["pipeline_bubble_measured_median"] = round(float(np.median(per_iter)), 4)
-        result["pipeline_bubble_formula"] = round((P - 1) / (m + P - 1), 4)
+        result["pipeline_bubble_formula"] = round(bubble_fraction(P, m), 4)
     print(json.dumps(result), flush=True)
 
 

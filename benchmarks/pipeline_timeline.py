@@ -31,7 +31,7 @@ def record_iteration(schedule: str, microbatches: int, warmup: int = 3):
     topo = Topology.from_world(1, _world_size(), 1)
     model = ModelConfig(n_layers=max(4, topo.pp), n_heads=4, d_model=128, seq_len=64)
     train = TrainConfig(micro_batch_size=4, global_batch_size=4 * microbatches)
-    trainer = Trainer(model, ParallelConfig(pipeline=topo.pp, schedule=schedule).validate(model), train, topo)
+    trainer = Trainer(model, ParallelConfig(schedule=schedule).validate(), train, topo)
     tokens = np.random.default_rng(0).integers(0, 65, 100_000).astype(np.uint16)
     for _ in range(warmup + 1):          # the last iteration is the one drawn
         trainer.train_step(tokens)

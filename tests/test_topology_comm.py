@@ -1,6 +1,6 @@
 """The process mesh and the byte-counting collectives.
 
-Expected group members follow from the layout rule of DESIGN.md alone,
+Expected group members follow from the layout rule of docs/architecture.md alone,
 rank = (pp * dp_size + dp) * tp_size + tp; expected byte counts from the ring
 formulas (all-reduce 2(k-1)/k of the buffer, reduce-scatter and all-gather (k-1)/k
 of the full buffer, point-to-point the buffer). Multi-rank tests gather every
@@ -74,7 +74,7 @@ def test_three_d_mesh_layout_and_groups():
     topo = Topology.from_world(tensor=2, pipeline=2, data=2)
     tp_, dp_, pp_ = topo.tp, topo.dp, topo.pp
     r, p, d, t = topo.rank, topo.pp_rank, topo.dp_rank, topo.tp_rank
-    at = lambda s, dd, tt: (s * dp_ + dd) * tp_ + tt          # noqa: E731  (DESIGN.md's rule)
+    at = lambda s, dd, tt: (s * dp_ + dd) * tp_ + tt          # noqa: E731  (docs/architecture.md)
     flags = {
         "sizes": (tp_, pp_, dp_, topo.world_size) == (2, 2, 2, 8),
         "rank formula": r == MPI.COMM_WORLD.Get_rank() == at(p, d, t) == topo.world_rank_of(p, d, t),
