@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 
+from numpitron.nn.layer import cache_nbytes
+
 FORWARD, BACKWARD = "F", "B"
 ACTIVATION_TAG, GRADIENT_TAG = 0, 1
 
@@ -46,11 +48,13 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 
 class PipelineStats:
     """What one iteration of a schedule did on this stage: compute intervals (for the
-    bubble and the timeline figure) and the peak number of micro-batches in flight."""
+    bubble and the timeline figure), the peak number of micro-batches in flight and the
+    peak bytes their caches kept alive (activation memory, counted, not guessed)."""
 
     def __init__(self):
         self.events = []          # (op, micro-batch, start_s, end_s), relative to start
         self.peak_in_flight = 0
+        self.peak_activation_bytes = 0
         self.wall_s = 0.0
 
     @property
@@ -84,6 +88,7 @@ def run_schedule(model, topo, microbatches, schedule: str, loss_weight: float, g
     ops = SCHEDULES[schedule](len(microbatches), topo.pp, topo.pp_rank)
     last_backward = max(i for i, (op, _) in enumerate(ops) if op == BACKWARD)
     in_flight, pending_sends, losses = {}, [], []
+    kept = {}                                   # bytes each in-flight micro-batch's caches keep
     stats = PipelineStats()
     t0 = time.perf_counter()
     for index, (op, i) in enumerate(ops):
@@ -94,6 +99,8 @@ def run_schedule(model, topo, microbatches, schedule: str, loss_weight: float, g
             out, in_flight[i] = model.forward(inputs, targets)
             stats.events.append((op, i, start - t0, time.perf_counter() - t0))
             stats.peak_in_flight = max(stats.peak_in_flight, len(in_flight))
+            kept[i] = cache_nbytes(in_flight[i])       # micro-batches share no buffers: a sum
+            stats.peak_activation_bytes = max(stats.peak_activation_bytes, sum(kept.values()))
             if model.last:
                 losses.append(out)
             else:
@@ -105,6 +112,7 @@ def run_schedule(model, topo, microbatches, schedule: str, loss_weight: float, g
                 B, T = tokens.shape
                 dout = pp_comm.recv(np.empty(model.input_shape(B, T), model.dtype), topo.next_stage, GRADIENT_TAG)
             start = time.perf_counter()
+            kept.pop(i)
             dinputs = model.backward(dout, in_flight.pop(i), grads_ready if index == last_backward else None)
             stats.events.append((op, i, start - t0, time.perf_counter() - t0))
             if not model.first:
