@@ -46,7 +46,6 @@ class Topology:
         self.dp_rank, self.tp_rank = divmod(rest, tp)
         self.world = Comm(world, self.stats, "world")
         if world is None:
-            self.tp_comm = self.dp_comm = self.pp_comm = None
             for name in ("tp", "dp", "pp", "model", "embedding"):
                 setattr(self, f"{name}_comm", Comm(None, self.stats, name))
         else:
