@@ -31,12 +31,16 @@ class Block(Layer):
         return x, {"ln1": ln1_cache, "attn": attn_cache, "ln2": ln2_cache, "mlp": mlp_cache}
 
     def backward_input(self, dx, cache):
-        # New arrays, never +=: the inner layers keep the gradients they were given
-        # for their weight half.
+        # The residual's gradient is added into the LayerNorm's fresh output, never into
+        # dx itself: the inner layers keep the gradient they were given for their
+        # weight half.
         dh = self.mlp.backward_input(dx, cache["mlp"])
-        dx = dx + self.ln2.backward_input(dh, cache["ln2"])
-        dh = self.attn.backward_input(dx, cache["attn"])
-        return dx + self.ln1.backward_input(dh, cache["ln1"])
+        dln = self.ln2.backward_input(dh, cache["ln2"])
+        dln += dx
+        dh = self.attn.backward_input(dln, cache["attn"])
+        dx = self.ln1.backward_input(dh, cache["ln1"])
+        dx += dln
+        return dx
 
     def backward_weights(self, cache):
         for name in ("mlp", "ln2", "attn", "ln1"):

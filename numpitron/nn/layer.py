@@ -60,8 +60,7 @@ def cache_nbytes(cache) -> int:
             base = item
             while isinstance(base.base, np.ndarray):
                 base = base.base
-            key = base.__array_interface__["data"][0]
-            if key not in seen:
-                seen.add(key)
+            if id(base) not in seen:          # alive while the cache holds it: ids are unique
+                seen.add(id(base))
                 total += base.nbytes
     return total

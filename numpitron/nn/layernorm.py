@@ -37,8 +37,9 @@ class LayerNorm(Layer):
     def backward_input(self, dy, cache):
         xhat, rstd, w = rows(cache["xhat"]), rows(cache["rstd"]), self.weight.data
         dy2 = rows(dy)
-        dy_xhat = dy2 * xhat                         # kept: the weight gradient sums it
-        cache["dy"], cache["dy_xhat"] = dy2, dy_xhat
+        dy_xhat = dy2 * xhat
+        # The weight half needs only these two column sums: keep them, not (N, C) arrays.
+        cache["dweight"], cache["dbias"] = dy_xhat.sum(axis=0), dy2.sum(axis=0)
         # Closed form: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * weight.
         # The two row means are matrix-vector products (BLAS): mean(g) = dy @ w / C and
         # mean(g * xhat) = (dy * xhat) @ w / C.
@@ -47,10 +48,10 @@ class LayerNorm(Layer):
         mean_gx = (dy_xhat @ w)[:, None] * inv_c
         g = dy2 * w
         g -= mean_g
-        g -= xhat * mean_gx
+        g -= np.multiply(xhat, mean_gx, out=dy_xhat)
         g *= rstd
         return g.reshape(dy.shape)
 
     def backward_weights(self, cache):
-        self.weight.grad += cache["dy_xhat"].sum(axis=0)
-        self.bias.grad += cache["dy"].sum(axis=0)
+        self.weight.grad += cache["dweight"]
+        self.bias.grad += cache["dbias"]
