@@ -1,0 +1,81 @@
+"""numpitron against PyTorch eager on this machine, side by side in one run.
+
+    pip install -e ".[bench]"          # PyTorch, for this script only
+    python benchmarks/vs_pytorch.py [--iters 30] [--rounds 2]
+
+For each model config: PyTorch with 1 thread against numpitron on one process (one
+BLAS thread), then PyTorch with 2 threads against numpitron on 2 ranks (dp = 2 and
+tp = 2, same global batch). Every run is its own process, so peak memory is its own;
+runs alternate for `--rounds` rounds and the table gives medians. Prints a Markdown
+table and one JSON object per run.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+CONFIGS = {
+    "default (L4 C128 T64 B12)": dict(n_layers=4, n_heads=4, d_model=128, seq_len=64, batch=12),
+    "nanoGPT char (L6 C384 T256 B8)": dict(n_layers=6, n_heads=6, d_model=384, seq_len=256, batch=8),
+}
+
+
+def model_flags(cfg: dict) -> list[str]:
+    return [f"--{k.replace('_', '-')}={v}" for k, v in cfg.items() if k != "batch"]
+
+
+def run_json(cmd: list[str]) -> dict:
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def runs(cfg: dict, iters: int) -> dict:
+    """label -> command printing one JSON object with tokens_per_s and peak_rss_mb."""
+    torch = [str(BIN / "python"), "benchmarks/torch_reference.py", f"--batch={cfg['batch']}",
+             f"--iters={iters}", *model_flags(cfg)]
+    ours = [str(BIN / "python"), "benchmarks/benchmark.py", f"--global-batch-size={cfg['batch']}",
+            f"--iters={iters}", *model_flags(cfg)]
+    two = [str(BIN / "mpiexec"), "-n", "2"] + ours
+    return {
+        "pytorch, 1 thread": torch + ["--threads=1"],
+        "numpitron, 1 process": ours + [f"--micro-batch-size={cfg['batch']}"],
+        "pytorch, 2 threads": torch + ["--threads=2"],
+        "numpitron, dp = 2": two + ["--data-parallel-size=2", f"--micro-batch-size={cfg['batch'] // 2}"],
+        "numpitron, tp = 2": two + ["--tensor-parallel-size=2", f"--micro-batch-size={cfg['batch']}"],
+    }
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+    rows = []
+    for name, cfg in CONFIGS.items():
+        results = {}
+        for _ in range(args.rounds):
+            for label, cmd in runs(cfg, args.iters).items():
+                result = run_json(cmd)
+                print(json.dumps({"config": name, "run": label, **result}), flush=True)
+                results.setdefault(label, []).append(result)
+        for label, rs in results.items():
+            rows.append((name, label, statistics.median(r["tokens_per_s"] for r in rs),
+                         max(r["peak_rss_mb"] for r in rs), statistics.median(r.get("mfu", float("nan")) for r in rs)))
+    print("\n| config | run | tokens/s | x PyTorch (same threads) | MFU | peak RSS MB |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    base = {}
+    for name, label, tps, rss, mfu in rows:
+        threads = "1" if "1 " in label else "2"
+        if label.startswith("pytorch"):
+            base[(name, threads)] = tps
+        ratio = tps / base[(name, threads)]
+        print(f"| {name} | {label} | {tps:,.0f} | {ratio:.2f} | {'' if mfu != mfu else f'{mfu:.2f}'} | {rss:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
