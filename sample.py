@@ -49,9 +49,9 @@ def main(argv=None) -> int:
         raise UserError("--temperature must be >= 0 and --top-k positive")
     if not args.prompt:
         raise UserError("--prompt must not be empty")
-    if args.pipeline_parallel_size != 1 or args.data_parallel_size not in (None, 1):
-        raise UserError("sampling runs on tensor-parallel ranks only: leave out --pipeline-parallel-size "
-                        "and --data-parallel-size")
+    if args.pipeline_parallel_size != 1 or args.data_parallel_size not in (None, 1) or args.context_parallel_size != 1:
+        raise UserError("sampling runs on tensor-parallel ranks only: leave out --pipeline-parallel-size, "
+                        "--context-parallel-size and --data-parallel-size")
     path = Path(args.checkpoint) if args.checkpoint else latest_checkpoint(Path(args.out_dir) / "checkpoints")
     if path is None:
         raise UserError(f"no checkpoint in {Path(args.out_dir) / 'checkpoints'}; train first or pass --checkpoint")
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     prompt = tokenizer.encode(args.prompt)
     model_cfg = from_dict(ModelConfig, manifest["model_config"]).validate()
     world = MPI.COMM_WORLD
-    topo = Topology(world, *mesh_from_args(args, world.Get_size(), model_cfg, None))
+    topo = Topology.from_mesh(world, mesh_from_args(args, world.Get_size(), model_cfg, None))
     model = GPTStage(model_cfg, topo)
     load_model_weights(path, model, model_cfg)
     ids = generate(model, prompt, args.max_new_tokens, args.num_samples, args.temperature, args.top_k, args.seed)

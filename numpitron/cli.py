@@ -24,7 +24,9 @@ def add_mesh_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("mesh")
     g.add_argument("--tensor-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", type=int, default=1)
-    g.add_argument("--data-parallel-size", type=int, default=None, help="default: world / (tp * pp)")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="ranks that split every sequence (ring attention)")
+    g.add_argument("--data-parallel-size", type=int, default=None, help="default: world / (tp * cp * pp)")
     g.add_argument("--blas-threads", type=int, default=1,
                    help="BLAS threads per rank (read before NumPy starts)")
 
@@ -96,13 +98,13 @@ def configs_from_args(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
     return model, parallel, train
 
 
-def mesh_from_args(args, world_size: int, model: ModelConfig, train: TrainConfig | None) -> tuple[int, int, int]:
-    """(tp, pp, dp) for this world, after every check that involves the mesh."""
+def mesh_from_args(args, world_size: int, model: ModelConfig, train: TrainConfig | None):
+    """The Mesh for this world, after every check that involves it."""
     from numpitron.distributed.topology import resolve_mesh
-    tp, pp, dp = resolve_mesh(world_size, args.tensor_parallel_size, args.pipeline_parallel_size,
-                              args.data_parallel_size)
-    check_layout(model, train, tp, pp, dp)
-    return tp, pp, dp
+    mesh = resolve_mesh(world_size, args.tensor_parallel_size, args.pipeline_parallel_size,
+                        args.data_parallel_size, args.context_parallel_size)
+    check_layout(model, train, mesh)
+    return mesh
 
 
 def setup_training(args, world=None):
@@ -113,5 +115,5 @@ def setup_training(args, world=None):
     from numpitron.distributed.topology import Topology
     world = world or MPI.COMM_WORLD
     model, parallel, train = configs_from_args(args)
-    tp, pp, dp = mesh_from_args(args, world.Get_size(), model, train)
-    return model, parallel, train, Topology(world, tp, pp, dp)
+    mesh = mesh_from_args(args, world.Get_size(), model, train)
+    return model, parallel, train, Topology.from_mesh(world, mesh)

@@ -51,9 +51,10 @@ class ParallelConfig:
         return self
 
 
-def check_layout(model: ModelConfig, train, tensor: int, pipeline: int, data: int) -> None:
-    """Everything that must divide for this model to run on a tensor x pipeline x data
-    mesh: checked identically on every rank before any communication."""
+def check_layout(model: ModelConfig, train, mesh) -> None:
+    """Everything that must divide for this model to run on a mesh (tp, pp, dp, cp):
+    checked identically on every rank before any communication."""
+    tensor, pipeline, data, context = mesh
     if model.n_heads % tensor:
         raise UserError(f"n_heads ({model.n_heads}) must be divisible by the tensor-parallel size ({tensor})")
     if (4 * model.d_model) % tensor:
@@ -61,6 +62,9 @@ def check_layout(model: ModelConfig, train, tensor: int, pipeline: int, data: in
                         f"tensor-parallel size ({tensor})")
     if model.n_layers % pipeline:
         raise UserError(f"n_layers ({model.n_layers}) must be divisible by the pipeline-parallel size ({pipeline})")
+    if model.seq_len % (2 * context):
+        raise UserError(f"seq_len ({model.seq_len}) must be divisible by 2 x the context-parallel size "
+                        f"({2 * context}): each rank holds two chunks of every sequence (the zigzag split)")
     if train is not None:
         train.num_microbatches(data)
 

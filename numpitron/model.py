@@ -18,6 +18,7 @@ from numpitron.nn.head import LanguageModelHead
 from numpitron.nn.kv_cache import KVCache
 from numpitron.nn.layer import Layer
 from numpitron.nn.param import ParamStore
+from numpitron.parallel.context import local_positions
 
 TOKEN_EMBEDDING = "embedding.token.weight"
 
@@ -37,7 +38,8 @@ class GPTStage(Layer):
             self.tied = self.token_embedding.parameters()
         if self.first:
             position = PositionEmbedding("embedding.position", model_cfg.seq_len, model_cfg.d_model)
-            self.embeddings = Embeddings(self.token_embedding, position)
+            positions = local_positions(model_cfg.seq_len, topo.cp, topo.cp_rank)
+            self.embeddings = Embeddings(self.token_embedding, position, positions)
             self.layers.append(self.embeddings)
         self.blocks = [Block(f"blocks.{i}", model_cfg.d_model, model_cfg.n_heads, model_cfg.n_layers, topo)
                        for i in range(self.layer_start, self.layer_stop)]

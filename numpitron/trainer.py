@@ -18,6 +18,7 @@ import numpy as np
 from numpitron.data.batches import global_batch
 from numpitron.model import GPTStage
 from numpitron.optim.schedule import learning_rate
+from numpitron.parallel.context import local_positions
 from numpitron.parallel.optimizer import make_optimizer
 from numpitron.parallel.pipeline import forward_only, run_schedule
 
@@ -35,11 +36,15 @@ class Trainer:
         self.best_val_loss = float("inf")
 
     def microbatches(self, tokens, stream: str, index: int):
-        """This dp rank's share of global batch `index` of `stream`, as micro-batches."""
+        """This rank's share of global batch `index` of `stream`, as micro-batches: the
+        dp rank's rows, and of each row the cp rank's tokens (parallel/context.py)."""
+        topo = self.topo
         x, y = global_batch(tokens, self.train_cfg.seed, stream, index, self.global_batch_size,
                             self.model_cfg.seq_len)
-        per_rank = self.global_batch_size // self.topo.dp
-        start = self.topo.dp_rank * per_rank
+        mine = local_positions(self.model_cfg.seq_len, topo.cp, topo.cp_rank)
+        x, y = x[:, mine], y[:, mine]
+        per_rank = self.global_batch_size // topo.dp
+        start = topo.dp_rank * per_rank
         mb = self.train_cfg.micro_batch_size
         return [(x[s:s + mb], y[s:s + mb]) for s in range(start, start + per_rank, mb)]
 
@@ -62,10 +67,11 @@ class Trainer:
         return {"train_loss": self.mean_loss(losses), "lr": lr, "grad_norm": grad_norm}
 
     def mean_loss(self, losses) -> float:
-        """Average the last stage's micro-batch losses over dp, then tell every stage."""
+        """Average the last stage's micro-batch losses over dp and cp (every rank's
+        losses are means over the same number of tokens), then tell every stage."""
         buf = np.array([np.mean(losses) if self.model.last else 0.0])
-        self.topo.dp_comm.all_reduce(buf)
-        buf /= self.topo.dp
+        self.topo.dp_cp_comm.all_reduce(buf)
+        buf /= self.topo.dp_cp
         self.topo.pp_comm.broadcast(buf, root=self.topo.pp - 1)
         return float(buf[0])
 

@@ -28,12 +28,13 @@ def tiny_tokens(n=6000, vocab=65, seed=0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, n).astype(np.uint16)
 
 
-def make_trainer(model_cfg=None, train_cfg=None, topo=None, tensor=1, pipeline=1, data=None, **parallel) -> Trainer:
+def make_trainer(model_cfg=None, train_cfg=None, topo=None, tensor=1, pipeline=1, data=None, context=1,
+                 **parallel) -> Trainer:
     """A Trainer on `topo`, or on a mesh of the world's ranks; `parallel` holds
     ParallelConfig fields (schedule, zero_stage, ...). Checked like the CLI checks."""
     model_cfg, train_cfg = model_cfg or tiny_model(), train_cfg or tiny_train()
-    topo = topo or Topology.from_world(tensor, pipeline, data)
-    check_layout(model_cfg, train_cfg, topo.tp, topo.pp, topo.dp)
+    topo = topo or Topology.from_world(tensor, pipeline, data, context=context)
+    check_layout(model_cfg, train_cfg, (topo.tp, topo.pp, topo.dp, topo.cp))
     return Trainer(model_cfg, ParallelConfig(**parallel).validate(), train_cfg, topo)
 
 

@@ -97,7 +97,7 @@ def test_manifest_and_tensors_have_full_logical_shapes(saved):
     manifest = read_manifest(path)
     assert manifest["format_version"] == 1 and manifest["adam_step"] == 3 and manifest["best_val_loss"] == 3.25
     assert manifest["data_state"] == {"sampler": "seeded-per-iteration", "seed": 1, "next_iteration": 3}
-    assert manifest["mesh"] == {"tensor": 1, "pipeline": 1, "data": 1} and manifest["parallel_config"]["zero_stage"] == 0
+    assert manifest["mesh"] == {"tensor": 1, "pipeline": 1, "data": 1, "context": 1} and manifest["parallel_config"]["zero_stage"] == 0
     names = [p.name for p in trainer.model.parameters()]
     assert set(manifest["tensors"]) == {f"{k}/{n}.npy" for k in ("params", "adam_m", "adam_v") for n in names}
     for relpath, entry in manifest["tensors"].items():

@@ -56,7 +56,7 @@ def test_abort_on_one_rank_ends_every_rank_quickly():
     (["--micro-batch-size", "-2"], "micro-batch-size must be positive"),
     (["--dtype", "float16"], "invalid choice: 'float16'"),
     (["--global-batch-size", "10", "--micro-batch-size", "4"], "global batch size (10) must be divisible"),
-    (["--tensor-parallel-size", "3"], "world size 1 is not divisible by tensor x pipeline parallel size (3 x 1 = 3)"),
+    (["--tensor-parallel-size", "3"], "world size 1 is not divisible by tensor x context x pipeline parallel size (3 x 1 x 1 = 3)"),
     (["--input", "/nonexistent/tinyshakespeare.txt", "--data-dir", "/tmp/numpitron-no-such-dir"], "/nonexistent"),
 ])
 def test_bad_input_is_one_line_and_nonzero(args, message):
@@ -77,7 +77,7 @@ def test_bad_config_on_four_ranks_is_reported_once():
 def test_world_that_does_not_factor_is_an_error(data_dir, tmp_path):
     result = train(data_dir, tmp_path, "--tensor-parallel-size", "2", "--max-iters", "1", nprocs=3)
     assert result.returncode != 0
-    assert "world size 3 is not divisible by tensor x pipeline parallel size" in result.stderr
+    assert "world size 3 is not divisible by tensor x context x pipeline parallel size" in result.stderr
 
 
 def test_resume_gives_the_same_losses_as_an_uninterrupted_run(data_dir, tmp_path):

@@ -51,10 +51,10 @@ def test_data_parallel_zero0_and_zero1_volume():
     grad_bytes = all_reduce_bytes(store.size * item, k)
     buckets = len(zero0.optimizer.buckets.buckets)
     checks = {
-        "zero0 dp.all_reduce bytes": (measured(snap, "dp.all_reduce"), grad_bytes + all_reduce_bytes(F64, k)),
-        "zero0 dp.all_reduce calls": (measured(snap, "dp.all_reduce", "calls"), buckets + 1),
+        "zero0 dp_cp.all_reduce bytes": (measured(snap, "dp_cp.all_reduce"), grad_bytes + all_reduce_bytes(F64, k)),
+        "zero0 dp_cp.all_reduce calls": (measured(snap, "dp_cp.all_reduce", "calls"), buckets + 1),
         "zero0 several buckets": (buckets > 1, True),
-        "zero0 kinds": (sorted(snap), ["dp.all_reduce"]),
+        "zero0 kinds": (sorted(snap), ["dp_cp.all_reduce"]),
         "zero0 state": (zero0.optimizer.state_nbytes(), 2 * store.size * item),
     }
 
@@ -64,16 +64,16 @@ def test_data_parallel_zero0_and_zero1_volume():
     checks["zero1 state"] = (zero1.optimizer.state_nbytes(), math.ceil(store1.size / k) * 2 * item)
     for step in range(3):
         snap = one_step(zero1, tokens)
-        rs, ag = measured(snap, "dp.reduce_scatter"), measured(snap, "dp.all_gather")
+        rs, ag = measured(snap, "dp_cp.reduce_scatter"), measured(snap, "dp_cp.all_gather")
         if step == 0:
             checks.update({
                 "zero1 reduce_scatter": (rs, (k - 1) / k * store1.size * item),
                 "zero1 all_gather": (ag, (k - 1) / k * store1.size * item),
                 "zero1 rs + ag == zero0 all_reduce": (rs + ag, all_reduce_bytes(store1.size * item, k)),
                 "zero1 same store as zero0": (store1.size, store.size),
-                "zero1 loss all_reduce": (measured(snap, "dp.all_reduce"), all_reduce_bytes(F64, k)),
+                "zero1 loss all_reduce": (measured(snap, "dp_cp.all_reduce"), all_reduce_bytes(F64, k)),
                 "zero1 norm over world": (measured(snap, "world.all_reduce"), all_reduce_bytes(F64, k)),
-                "zero1 kinds": (sorted(snap), ["dp.all_gather", "dp.all_reduce", "dp.reduce_scatter",
+                "zero1 kinds": (sorted(snap), ["dp_cp.all_gather", "dp_cp.all_reduce", "dp_cp.reduce_scatter",
                                                "world.all_reduce"]),
             })
         checks[f"zero1 params identical over dp after step {step + 1}"] = (
@@ -199,6 +199,6 @@ def test_overlapped_buckets_start_during_the_backward():
         snap = one_step(trainer, tokens)
         n = len(buckets.buckets)
         checks[f"overlap={overlap} started in backward"] = (started[0], n - 1 if overlap else 0)
-        checks[f"overlap={overlap} calls"] = (measured(snap, "dp.all_reduce", "calls"), n + 1)
-        checks[f"overlap={overlap} seconds counted"] = measured(snap, "dp.all_reduce", "seconds") > 0
+        checks[f"overlap={overlap} calls"] = (measured(snap, "dp_cp.all_reduce", "calls"), n + 1)
+        checks[f"overlap={overlap} seconds counted"] = measured(snap, "dp_cp.all_reduce", "seconds") > 0
     assert_on_every_rank(checks)

@@ -42,10 +42,12 @@ def mesh_id(mesh):
 
 
 TWO_RANKS = [dict(data=2, bucket_size=2000), dict(tensor=2), dict(pipeline=2, schedule="gpipe"), dict(pipeline=2, schedule="1f1b"),
-             dict(data=2, zero_stage=1), dict(data=2, overlap_grad_reduce=False, bucket_size=1000)]
+             dict(data=2, zero_stage=1), dict(data=2, overlap_grad_reduce=False, bucket_size=1000), dict(context=2)]
 FOUR_RANKS = [dict(data=4), dict(tensor=4), dict(tensor=2, data=2, bucket_size=1500), dict(pipeline=4, schedule="gpipe"),
               dict(pipeline=4, schedule="1f1b"), dict(tensor=2, pipeline=2), dict(data=4, zero_stage=1),
-              dict(tensor=2, data=2, zero_stage=1), dict(pipeline=2, data=2, zero_stage=1)]
+              dict(tensor=2, data=2, zero_stage=1), dict(pipeline=2, data=2, zero_stage=1),
+              dict(context=4), dict(context=2, tensor=2), dict(context=2, data=2, bucket_size=3000),
+              dict(context=2, pipeline=2, schedule="1f1b"), dict(context=2, data=2, zero_stage=1)]
 
 
 @pytest.mark.parallel(nprocs=2)

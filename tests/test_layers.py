@@ -152,10 +152,12 @@ def test_block():
 def test_embeddings():
     token = VocabParallelEmbedding("tok", V, C, SERIAL)
     check_layer(token, token_ids())
-    pos = PositionEmbedding("pos", T + 2, C)  # longer table than T: unused rows get no grad
-    check_layer(pos, token_ids())
-    assert np.all(pos.weight.grad[T:] == 0)
-    check_layer(Embeddings(VocabParallelEmbedding("tok", V, C, SERIAL), PositionEmbedding("pos", T, C)), token_ids())
+    pos = PositionEmbedding("pos", T + 3, C)  # longer table than T: unused rows get no grad
+    scattered = np.array([4, 0, 1, 7, 2])     # positions need not be in order (context parallelism)
+    check_layer(pos, token_ids(), positions=scattered)
+    assert np.all(pos.weight.grad[[3, 5, 6]] == 0)
+    check_layer(Embeddings(VocabParallelEmbedding("tok", V, C, SERIAL), PositionEmbedding("pos", T, C), np.arange(T)),
+                token_ids())
 
 
 def test_tied_lm_head():

@@ -46,16 +46,17 @@ def test_serial_topology_sizes_and_no_op_collectives():
 
 
 def test_resolve_mesh_derives_data_parallel_size():
-    assert resolve_mesh(8, 2, 2, None) == (2, 2, 2)
-    assert resolve_mesh(8, 2, 1, None) == (2, 1, 4)
-    assert resolve_mesh(6, 1, 3, 2) == (1, 3, 2)
-    assert resolve_mesh(1, 1, 1, None) == (1, 1, 1)
+    assert resolve_mesh(8, 2, 2, None) == (2, 2, 2, 1)
+    assert resolve_mesh(8, 2, 1, None) == (2, 1, 4, 1)
+    assert resolve_mesh(6, 1, 3, 2) == (1, 3, 2, 1)
+    assert resolve_mesh(1, 1, 1, None) == (1, 1, 1, 1)
+    assert resolve_mesh(16, 2, 2, None, 2) == (2, 2, 2, 2)
 
 
 @pytest.mark.parametrize("world, tp, pp, dp, message", [
-    (6, 4, 1, None, "world size 6 is not divisible by tensor x pipeline parallel size (4 x 1 = 4)"),
-    (8, 2, 2, 4, "(2 x 2 x 4 = 16) does not match the world size 8"),
-    (8, 2, 2, 1, "(2 x 2 x 1 = 4) does not match the world size 8"),
+    (6, 4, 1, None, "world size 6 is not divisible by tensor x context x pipeline parallel size (4 x 1 x 1 = 4)"),
+    (8, 2, 2, 4, "(2 x 1 x 2 x 4 = 16) does not match the world size 8"),
+    (8, 2, 2, 1, "(2 x 1 x 2 x 1 = 4) does not match the world size 8"),
     (4, 0, 1, None, "tensor-parallel size must be positive, got 0"),
     (4, 1, 1, -2, "data-parallel size must be positive, got -2"),
 ])
@@ -94,6 +95,30 @@ def test_three_d_mesh_layout_and_groups():
     for s, line in enumerate(stage_lines):
         listed = [int(x) for x in re.findall(r"\d+", line.split(":", 1)[1])]
         flags[f"stage {s} ranks"] = sorted(listed) == [at(s, dd, tt) for dd in range(dp_) for tt in range(tp_)]
+    assert_on_every_rank(flags)
+
+
+@pytest.mark.parallel(nprocs=8)
+@pytest.mark.parametrize("sizes", [dict(tensor=2, context=2, data=2), dict(context=2, data=2, pipeline=2)],
+                         ids=["tp2-cp2-dp2", "cp2-dp2-pp2"])
+def test_four_d_mesh_with_context_parallel_groups(sizes):
+    topo = Topology.from_world(**sizes)
+    T, K, D, P = topo.tp, topo.cp, topo.dp, topo.pp
+    p, d, c, t = topo.pp_rank, topo.dp_rank, topo.cp_rank, topo.tp_rank
+    at = lambda s, dd, cc, tt: ((s * D + dd) * K + cc) * T + tt          # noqa: E731  (docs/architecture.md)
+    flags = {
+        "rank formula": topo.rank == at(p, d, c, t) == topo.world_rank_of(p, d, t, c),
+        "tp group": members(topo.tp_comm) == [at(p, d, c, x) for x in range(T)],
+        "cp group": members(topo.cp_comm) == [at(p, d, x, t) for x in range(K)],
+        "dp group": members(topo.dp_comm) == [at(p, x, c, t) for x in range(D)],
+        "dp_cp group": members(topo.dp_cp_comm) == [at(p, x, y, t) for x in range(D) for y in range(K)],
+        "dp_cp rank": topo.dp_cp_comm.rank == topo.dp_cp_rank == d * K + c,
+        "pp group": members(topo.pp_comm) == [at(x, d, c, t) for x in range(P)],
+        "model group": sorted(members(topo.model_comm)) == sorted(at(s, d, c, x) for s in range(P) for x in range(T)),
+        "printout lists every rank once": sorted(int(x) for line in str(topo).splitlines()[1:]
+                                                 for x in re.findall(r"\b\d+\b", line.split(":", 1)[1]))
+                                          == list(range(8)),
+    }
     assert_on_every_rank(flags)
 
 

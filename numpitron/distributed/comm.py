@@ -164,6 +164,23 @@ class Comm:
         self.stats.add(f"{self.name}.send", buf.nbytes)
         return Pending(self.mpi.Isend(buf, dest=dest, tag=tag), f"{self.name}.send")
 
+    def irecv(self, buf: np.ndarray, source: int, tag: int = 0) -> Pending:
+        self.stats.add(f"{self.name}.recv", buf.nbytes)
+        return Pending(self.mpi.Irecv(buf, source=source, tag=tag), f"{self.name}.recv")
+
+    def ring_pass(self, bufs: list[np.ndarray], tag: int = 0) -> tuple[list[np.ndarray], list[Pending]]:
+        """Start sending `bufs` to the next rank of the ring and receiving the previous
+        rank's into fresh arrays; returns those arrays and the requests to wait for
+        (the caller keeps `bufs` unchanged until then). On one rank the block is its own
+        next: the same arrays, nothing to wait for."""
+        if self.size == 1:
+            return bufs, []
+        nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        received = [np.empty_like(b) for b in bufs]
+        pending = [self.isend(b, nxt, tag + i) for i, b in enumerate(bufs)]
+        pending += [self.irecv(r, prev, tag + i) for i, r in enumerate(received)]
+        return received, pending
+
     def wait_all(self, pending: list[Pending]) -> None:
         for p in pending:
             self.wait(p)

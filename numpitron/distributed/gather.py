@@ -40,13 +40,13 @@ def gather_full(model, topo, flats: dict) -> dict | None:
     """flats: {kind: flat buffer laid out like model.store.data}. Collective over the
     world. Returns {kind: {param name: full logical array}} on world rank 0."""
     local = {}
-    if topo.dp_rank == 0:
+    if topo.dp_cp_rank == 0:
         for kind, flat in flats.items():
             tensors = {p.name: _gather_over_tp(p, model.store.view(flat, p.name), topo.tp_comm)
                        for p in saved_params(model)}
             local[kind] = tensors
     world = topo.world
-    is_stage_leader = topo.dp_rank == 0 and topo.tp_rank == 0
+    is_stage_leader = topo.dp_cp_rank == 0 and topo.tp_rank == 0
     if topo.rank != 0:
         if is_stage_leader:
             index = [(kind, name, a.shape, a.dtype.str) for kind, t in local.items() for name, a in t.items()]

@@ -1,67 +1,93 @@
-"""The process mesh: world ranks laid out as a grid [pp, dp, tp], tp fastest.
+"""The process mesh: world ranks laid out as a grid [pp, dp, cp, tp], tp fastest.
 
-    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 Tensor-parallel peers are neighbouring ranks (on a cluster: one node, the fastest
-links); pipeline stages are outermost. This is Megatron-LM's default order.
+links), then context-parallel peers, then data replicas; pipeline stages are
+outermost. This is Megatron-LM's order.
 """
+
+from typing import NamedTuple
 
 from numpitron.distributed.comm import Comm, CommStats
 from numpitron.errors import UserError
 
+GROUPS = ("tp", "cp", "dp", "dp_cp", "pp", "model", "embedding")
 
-def resolve_mesh(world_size: int, tensor: int, pipeline: int, data: int | None) -> tuple[int, int, int]:
-    """(tp, pp, dp) for this world, with dp derived when not given. No communication."""
-    for name, value in (("tensor-parallel size", tensor), ("pipeline-parallel size", pipeline), ("data-parallel size", data)):
+
+class Mesh(NamedTuple):
+    tp: int
+    pp: int
+    dp: int
+    cp: int = 1
+
+
+def resolve_mesh(world_size: int, tensor: int, pipeline: int, data: int | None, context: int = 1) -> Mesh:
+    """The mesh sizes for this world, with dp derived when not given. No communication."""
+    for name, value in (("tensor-parallel size", tensor), ("pipeline-parallel size", pipeline),
+                        ("data-parallel size", data), ("context-parallel size", context)):
         if value is not None and value < 1:
             raise UserError(f"{name} must be positive, got {value}")
-    model_parallel = tensor * pipeline
+    model_parallel = tensor * pipeline * context
     if data is None:
         if world_size % model_parallel:
             raise UserError(
-                f"world size {world_size} is not divisible by tensor x pipeline parallel size "
-                f"({tensor} x {pipeline} = {model_parallel})")
+                f"world size {world_size} is not divisible by tensor x context x pipeline parallel size "
+                f"({tensor} x {context} x {pipeline} = {model_parallel})")
         data = world_size // model_parallel
-    if tensor * pipeline * data != world_size:
+    if model_parallel * data != world_size:
         raise UserError(
-            f"tensor x pipeline x data parallel size ({tensor} x {pipeline} x {data} = "
-            f"{tensor * pipeline * data}) does not match the world size {world_size}")
-    return tensor, pipeline, data
+            f"tensor x context x pipeline x data parallel size ({tensor} x {context} x {pipeline} x {data} = "
+            f"{model_parallel * data}) does not match the world size {world_size}")
+    return Mesh(tensor, pipeline, data, context)
 
 
 class Topology:
     """Coordinates of this rank and the communicators of its groups.
 
-    Groups: tp (same stage and data replica), dp (same stage and tp slice), pp (one
-    pipeline: same data replica and tp slice), model (tp x pp: one full model replica,
-    for the gradient norm), embedding (first and last stage: the tied embedding).
+    Groups: tp (same stage, data replica and sequence part), cp (the ranks that share
+    one sequence: same stage, data replica and tp slice), dp (same stage, sequence part
+    and tp slice), dp_cp (dp and cp together: every rank whose gradients are averaged
+    into this one's, Megatron's data-parallel group "with context parallelism"), pp
+    (one pipeline), model (tp x pp: one full model replica, for the gradient norm),
+    embedding (first and last stage: the tied embedding).
     """
 
-    def __init__(self, world, tp: int, pp: int, dp: int, stats: CommStats | None = None):
+    def __init__(self, world, tp: int, pp: int, dp: int, stats: CommStats | None = None, cp: int = 1):
         self.stats = stats or CommStats()
-        self.tp, self.pp, self.dp = tp, pp, dp
-        self.world_size = tp * pp * dp
+        self.tp, self.pp, self.dp, self.cp = tp, pp, dp, cp
+        self.world_size = tp * pp * dp * cp
         self.rank = 0 if world is None else world.Get_rank()
-        self.pp_rank, rest = divmod(self.rank, dp * tp)
-        self.dp_rank, self.tp_rank = divmod(rest, tp)
+        self.pp_rank, rest = divmod(self.rank, dp * cp * tp)
+        self.dp_rank, rest = divmod(rest, cp * tp)
+        self.cp_rank, self.tp_rank = divmod(rest, tp)
+        self.dp_cp_rank = self.dp_rank * cp + self.cp_rank
         self.world = Comm(world, self.stats, "world")
         if world is None:
-            for name in ("tp", "dp", "pp", "model", "embedding"):
+            for name in GROUPS:
                 setattr(self, f"{name}_comm", Comm(None, self.stats, name))
         else:
             self._split(world)
 
+    @property
+    def dp_cp(self) -> int:
+        return self.dp * self.cp
+
     def _split(self, world) -> None:
         # Every rank makes the same Split calls in the same order; a rank outside a
         # group (embedding group on a middle stage) passes UNDEFINED and gets None.
+        # A color names the coordinates the group's members share.
         from mpi4py import MPI
-        pp, dp, tp = self.pp_rank, self.dp_rank, self.tp_rank
-        self.tp_comm = Comm(world.Split(pp * self.dp + dp, tp), self.stats, "tp")
-        self.dp_comm = Comm(world.Split(pp * self.tp + tp, dp), self.stats, "dp")
-        self.pp_comm = Comm(world.Split(dp * self.tp + tp, pp), self.stats, "pp")
-        self.model_comm = Comm(world.Split(dp, self.rank), self.stats, "model")
+        pp, dp, cp, tp = self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank
+        D, K, T = self.dp, self.cp, self.tp
+        self.tp_comm = Comm(world.Split((pp * D + dp) * K + cp, tp), self.stats, "tp")
+        self.cp_comm = Comm(world.Split((pp * D + dp) * T + tp, cp), self.stats, "cp")
+        self.dp_comm = Comm(world.Split((pp * K + cp) * T + tp, dp), self.stats, "dp")
+        self.dp_cp_comm = Comm(world.Split(pp * T + tp, self.dp_cp_rank), self.stats, "dp_cp")
+        self.pp_comm = Comm(world.Split((dp * K + cp) * T + tp, pp), self.stats, "pp")
+        self.model_comm = Comm(world.Split(dp * K + cp, self.rank), self.stats, "model")
         on_ends = self.is_first_stage or self.is_last_stage
-        color = dp * self.tp + tp if on_ends else MPI.UNDEFINED
+        color = (dp * K + cp) * T + tp if on_ends else MPI.UNDEFINED
         emb = world.Split(color, pp)
         self.embedding_comm = Comm(emb if on_ends else None, self.stats, "embedding")
 
@@ -71,11 +97,15 @@ class Topology:
         return cls(None, 1, 1, 1)
 
     @classmethod
-    def from_world(cls, tensor: int = 1, pipeline: int = 1, data: int | None = None, world=None) -> "Topology":
+    def from_world(cls, tensor: int = 1, pipeline: int = 1, data: int | None = None, world=None,
+                   context: int = 1) -> "Topology":
         from mpi4py import MPI
         world = world or MPI.COMM_WORLD
-        tp, pp, dp = resolve_mesh(world.Get_size(), tensor, pipeline, data)
-        return cls(world, tp, pp, dp)
+        return cls.from_mesh(world, resolve_mesh(world.Get_size(), tensor, pipeline, data, context))
+
+    @classmethod
+    def from_mesh(cls, world, mesh: Mesh) -> "Topology":
+        return cls(world, mesh.tp, mesh.pp, mesh.dp, cp=mesh.cp)
 
     @property
     def is_first_stage(self) -> bool:
@@ -94,8 +124,8 @@ class Topology:
     def next_stage(self) -> int | None:
         return None if self.is_last_stage else self.pp_rank + 1
 
-    def world_rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+    def world_rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
+        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
     @property
     def is_logger(self) -> bool:
@@ -103,9 +133,9 @@ class Topology:
         return self.rank == 0
 
     def __str__(self) -> str:
-        lines = [f"mesh: tp={self.tp} x dp={self.dp} x pp={self.pp} ({self.world_size} ranks)"]
+        lines = [f"mesh: tp={self.tp} x cp={self.cp} x dp={self.dp} x pp={self.pp} ({self.world_size} ranks)"]
         for s in range(self.pp):
-            replicas = ["[" + " ".join(str(self.world_rank_of(s, d, t)) for t in range(self.tp)) + "]"
-                        for d in range(self.dp)]
-            lines.append(f"  stage {s}: data replicas (tp groups) {' '.join(replicas)}")
+            replicas = ["[" + " | ".join(" ".join(str(self.world_rank_of(s, d, t, c)) for t in range(self.tp))
+                                         for c in range(self.cp)) + "]" for d in range(self.dp)]
+            lines.append(f"  stage {s}: data replicas [sequence parts | ...] of tp groups {' '.join(replicas)}")
         return "\n".join(lines)

@@ -1,19 +1,31 @@
-"""Causal multi-head self-attention with its heads split over tensor-parallel ranks.
+"""Causal multi-head self-attention, heads split over tensor-parallel ranks and the
+sequence split over context-parallel ranks.
 
-The fused q|k|v projection is column-parallel, so each rank computes q, k, v for
+The fused q|k|v projection is column-parallel, so each tp rank computes q, k, v for
 its own H/tp heads and attends without communication; the output projection is
 row-parallel and all-reduces once (Shoeybi et al. 2019, §3, Fig. 3b).
 
-Generation runs the same forward with a key/value cache (`kv`): the new positions'
-keys and values are appended to the cached ones and the queries attend to all of
-them, so training and sampling share every line of the attention math.
+Each cp rank holds two chunks of every sequence (the zigzag split of
+parallel/context.py). Its queries must see every earlier key, so the key/value
+blocks travel around the cp ring (Liu et al. 2023, "Ring Attention"): at step s a
+rank attends to the block of rank (r - s) mod cp while passing it on to rank r + 1,
+and folds each partial result in with the online softmax (nn/blockwise_attention.py).
+The backward sends the blocks around again, with their gradients travelling beside
+them, home to their owners after the last step. With cp = 1 the ring is one step
+over the rank's own block.
+
+Generation runs the same forward with a key/value cache (`kv`): the new positions
+attend to every cached one, as one more block.
 """
 
 import numpy as np
 
-from numpitron.nn.functional import causal_mask, softmax_lastdim_, softmax_lastdim_backward
+from numpitron.nn.blockwise_attention import AttentionState, attend_block, attend_block_backward
 from numpitron.nn.layer import Layer
 from numpitron.nn.linear import ColumnParallelLinear, RowParallelLinear
+from numpitron.parallel.context import Chunk, zigzag_chunks
+
+KV_TAG, GRAD_TAG = 10, 20
 
 
 class ParallelAttention(Layer):
@@ -21,20 +33,12 @@ class ParallelAttention(Layer):
         self.local_heads = n_heads // topo.tp
         self.head_dim = d_model // n_heads
         self.scale = 1.0 / np.sqrt(self.head_dim)
+        self.cp, self.cp_rank = topo.cp_comm, topo.cp_comm.rank
         self.qkv = ColumnParallelLinear(f"{name}.qkv", d_model, d_model, topo, groups=3)
         self.proj = RowParallelLinear(f"{name}.proj", d_model, d_model, topo, std=out_std)
-        self._mask = np.zeros((0, 0))
 
     def parameters(self):
         return self.qkv.parameters() + self.proj.parameters()
-
-    def mask(self, start: int, T: int, dtype) -> np.ndarray:
-        """Rows start..start+T of the causal mask over start+T keys. One mask of the
-        largest size seen is kept; any top-left block of it is causal too."""
-        size = start + T
-        if self._mask.shape[0] < size or self._mask.dtype != dtype:
-            self._mask = causal_mask(max(size, self._mask.shape[0]), dtype)
-        return self._mask[start:size, :size]
 
     def _split_heads(self, qkv):
         # (B, T, 3 * H/tp * hd) -> q, k, v each (B, H/tp, T, hd), one contiguous copy
@@ -44,33 +48,61 @@ class ParallelAttention(Layer):
         return q, k, v
 
     def forward(self, x, kv=None):
-        # x: (B, T, C) -> y: (B, T, C); kv: this layer's KVCache slot while generating
+        # x: (B, T/cp, C) -> y: (B, T/cp, C); kv: this layer's KVCache slot while generating
         B, T, _ = x.shape
         qkv, qkv_cache = self.qkv.forward(x)
         q, k, v = self._split_heads(qkv)
-        start = 0
-        if kv is not None:                               # keys of earlier positions too
-            k, v, start = kv.append(k, v)
         q *= self.scale                                  # cheaper on (T, hd) than on (T, T)
-        probs = q @ k.transpose(0, 1, 3, 2)              # (B, H/tp, T, start + T)
-        probs += self.mask(start, T, x.dtype)
-        softmax_lastdim_(probs)
-        heads = probs @ v                                # (B, H/tp, T, hd)
-        merged = heads.transpose(0, 2, 1, 3).reshape(B, T, -1)
+        state = AttentionState(q)
+        if kv is not None:                               # the new positions, after the cached ones
+            keys, values, start = kv.append(k, v)
+            saved = [attend_block(q, [Chunk(0, T, start)], keys, values, [Chunk(0, start + T, 0)], state)]
+        else:
+            saved = self._ring_forward(q, k, v, state)
+        merged = state.out.transpose(0, 2, 1, 3).reshape(B, T, -1)
+        state.out = None             # the output projection keeps the merged copy
         y, proj_cache = self.proj.forward(merged)
-        return y, {"qkv": qkv_cache, "q": q, "k": k, "v": v, "probs": probs, "proj": proj_cache}
+        return y, {"qkv": qkv_cache, "q": q, "k": k, "v": v, "state": state, "saved": saved, "proj": proj_cache}
+
+    def _ring_forward(self, q, k, v, state):
+        T, cp = q.shape[2], self.cp.size
+        mine = zigzag_chunks(T, cp, self.cp_rank)
+        saved, block = [], [k, v]
+        for step in range(cp):
+            owner = (self.cp_rank - step) % cp
+            if step + 1 < cp:                            # pass this block on while using it
+                incoming, pending = self.cp.ring_pass(block, KV_TAG)
+            saved.append(attend_block(q, mine, *block, zigzag_chunks(T, cp, owner), state))
+            if step + 1 < cp:
+                self.cp.wait_all(pending)
+                block = incoming
+        return saved
 
     def backward_input(self, dy, cache):
-        q, k, v, probs = cache["q"], cache["k"], cache["v"], cache["probs"]
+        q, k, v, state = cache["q"], cache["k"], cache["v"], cache["state"]
         B, _, T, _ = q.shape
         dmerged = self.proj.backward_input(dy, cache["proj"])
-        dheads = dmerged.reshape(B, T, self.local_heads, self.head_dim).transpose(0, 2, 1, 3)
-        dqkv = np.empty((3, B, self.local_heads, T, self.head_dim), dy.dtype)
-        np.matmul(probs.transpose(0, 1, 3, 2), dheads, out=dqkv[2])     # dv = P^T dY
-        dscores = softmax_lastdim_backward(dheads @ v.transpose(0, 1, 3, 2), probs)
-        np.matmul(dscores, k, out=dqkv[0])                              # dq (pre-scale)
-        dqkv[0] *= self.scale
-        np.matmul(dscores.transpose(0, 1, 3, 2), q, out=dqkv[1])        # dk (q holds the scale)
+        heads = (B, T, self.local_heads, self.head_dim)
+        # D = rowsum(dO * O), from the merged output the projection kept: (B, H/tp, T, 1)
+        d_rowsum = (dmerged * cache["proj"]["x"]).reshape(heads).sum(axis=-1).transpose(0, 2, 1)[..., None]
+        dout = np.ascontiguousarray(dmerged.reshape(heads).transpose(0, 2, 1, 3))
+        dqkv = np.zeros((3, B, self.local_heads, T, self.head_dim), dy.dtype)
+        dq, dk, dv = dqkv
+        block, grads = [k, v], [dk, dv]
+        for step, saved in enumerate(cache["saved"]):
+            if step + 1 < len(cache["saved"]):
+                incoming, pending = self.cp.ring_pass(block, KV_TAG)
+            attend_block_backward(saved, q, *block, dout, d_rowsum, state, dq, *grads)
+            # The block's gradients travel with it; after the last step, home to its owner.
+            grads, grad_pending = self.cp.ring_pass(grads, GRAD_TAG)
+            self.cp.wait_all(grad_pending)
+            if step + 1 < len(cache["saved"]):
+                self.cp.wait_all(pending)
+                block = incoming
+        for own, arrived in zip((dk, dv), grads):
+            if arrived is not own:                       # came home around the ring
+                own[...] = arrived
+        dq *= self.scale                                 # q held the scale; dk already has it
         dqkv = dqkv.transpose(1, 3, 0, 2, 4).reshape(B, T, -1)
         return self.qkv.backward_input(dqkv, cache["qkv"])
 

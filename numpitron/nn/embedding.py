@@ -77,33 +77,38 @@ class PositionEmbedding(Layer):
     def parameters(self):
         return [self.weight]
 
-    def forward(self, ids, start: int = 0):
-        # ids: (B, T) -> (B, T, C) positions start..start+T, broadcast over B (no copy)
+    def forward(self, ids, positions):
+        # ids: (B, T) -> (B, T, C): the rows of `positions` (T,), broadcast over B
         B, T = ids.shape
-        table = self.weight.data[start:start + T]
-        return np.broadcast_to(table, (B, T, table.shape[1])), {"start": start}
+        table = self.weight.data[positions]
+        return np.broadcast_to(table, (B, T, table.shape[1])), {"positions": positions}
 
     def backward_input(self, dx, cache):
         cache["dy"] = dx
         return None
 
     def backward_weights(self, cache):
-        dx, start = cache["dy"], cache["start"]
-        self.weight.grad[start:start + dx.shape[1]] += dx.sum(axis=0)
+        # positions are distinct, so a fancy-indexed += adds each row once
+        self.weight.grad[cache["positions"]] += cache["dy"].sum(axis=0)
 
 
 class Embeddings(Layer):
-    """The first stage's input layer: token embedding + position embedding."""
+    """The first stage's input layer: token embedding + position embedding.
 
-    def __init__(self, token: VocabParallelEmbedding, position: PositionEmbedding):
-        self.token, self.position = token, position
+    `positions` are the global positions of the tokens this rank holds (all of them,
+    in order, unless context parallelism split the sequence: parallel/context.py);
+    while generating, the positions after those already in the key/value cache."""
+
+    def __init__(self, token: VocabParallelEmbedding, position: PositionEmbedding, positions: np.ndarray):
+        self.token, self.position, self.positions = token, position, positions
 
     def parameters(self):
         return self.token.parameters() + self.position.parameters()
 
     def forward(self, ids, kv=None):
         x, token_cache = self.token.forward(ids)
-        pos, position_cache = self.position.forward(ids, start=0 if kv is None else kv.pos)
+        positions = self.positions if kv is None else kv.pos + np.arange(ids.shape[1])
+        pos, position_cache = self.position.forward(ids, positions)
         x += pos
         return x, {"token": token_cache, "position": position_cache}
 

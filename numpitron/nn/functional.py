@@ -53,6 +53,19 @@ def softmax_lastdim_(x):
     return x
 
 
+def softmax_lastdim_with_lse_(x):
+    """In-place softmax over the last axis; returns log(sum(exp(x))) per row, the
+    normaliser that lets partial softmaxes over blocks of a row be merged."""
+    row_max = x.max(axis=-1, keepdims=True)
+    x -= row_max
+    np.exp(x, out=x)
+    row_sum = x.sum(axis=-1, keepdims=True)
+    lse = np.log(row_sum)
+    lse += row_max
+    x *= np.reciprocal(row_sum, out=row_sum)
+    return lse
+
+
 def softmax_lastdim_backward(dp, p):
     """dS = P * (dP - sum(dP * P)) over the last axis; overwrites and returns dp."""
     dot = (dp * p).sum(axis=-1, keepdims=True)

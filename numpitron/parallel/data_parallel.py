@@ -1,5 +1,7 @@
 """Plain data parallelism (ZeRO stage 0): every dp rank keeps the whole optimizer,
-and gradients are averaged over dp in buckets that overlap the backward.
+and gradients are averaged over dp in buckets that overlap the backward. (Over dp
+and cp together: context-parallel ranks hold the same parameters and each computed
+the gradient of its own part of every sequence, so their gradients are averaged too.)
 
 The flat gradient buffer is cut into buckets of about `bucket_size` elements, along
 parameter boundaries, from the end of the buffer: the backward produces the last
@@ -41,8 +43,8 @@ class GradientBuckets:
         self.dp.test(list(self.pending.values()))
 
     def average(self) -> None:
-        """Every bucket summed over dp (waiting for those in flight, reducing the rest
-        now), then divided by dp: the gradient of the global batch."""
+        """Every bucket summed over the group (waiting for those in flight, reducing the
+        rest now), then divided by its size: the gradient of the global batch."""
         for index, (lo, hi, _) in enumerate(self.buckets):
             if index in self.pending:
                 self.dp.wait(self.pending[index])
@@ -59,7 +61,7 @@ class DataParallelOptimizer(DistributedOptimizer):
 
     def __init__(self, store, topo, train_cfg, parallel_cfg):
         super().__init__(store, topo, train_cfg, 0, store.size)
-        self.buckets = GradientBuckets(store, topo.dp_comm, parallel_cfg.bucket_size,
+        self.buckets = GradientBuckets(store, topo.dp_cp_comm, parallel_cfg.bucket_size,
                                        parallel_cfg.overlap_grad_reduce)
 
     def grads_ready(self, params) -> None:

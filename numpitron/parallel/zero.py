@@ -23,12 +23,13 @@ class ZeroOneOptimizer(DistributedOptimizer):
     zero_stage = 1
 
     def __init__(self, store, topo, train_cfg, parallel_cfg=None):
-        store.pad_to_multiple(topo.dp)
-        super().__init__(store, topo, train_cfg, *shard_bounds(store.size, topo.dp, topo.dp_rank))
+        # Sharded over dp and cp together: both hold replicas of the same parameters.
+        store.pad_to_multiple(topo.dp_cp)
+        super().__init__(store, topo, train_cfg, *shard_bounds(store.size, topo.dp_cp, topo.dp_cp_rank))
         self.grad_shard = np.zeros(self.hi - self.lo, store.dtype)
 
     def step(self, lr: float) -> float:
-        dp = self.topo.dp_comm
+        dp = self.topo.dp_cp_comm
         lo, hi = self.lo, self.hi
         dp.reduce_scatter(self.store.grad, self.grad_shard)             # 1.
         self.grad_shard *= 1.0 / dp.size
@@ -46,5 +47,5 @@ class ZeroOneOptimizer(DistributedOptimizer):
         for shard in (self.adam.m, self.adam.v):
             buf = np.zeros(self.store.size, self.store.dtype)
             buf[self.lo:self.hi] = shard
-            full.append(self.topo.dp_comm.all_gather(buf))
+            full.append(self.topo.dp_cp_comm.all_gather(buf))
         return tuple(full)

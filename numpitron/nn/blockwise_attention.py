@@ -1,0 +1,96 @@
+"""Causal attention of query chunks to one block of key/value chunks, with an online
+softmax, so that blocks may arrive one at a time (around a context-parallel ring, or
+all at once on one rank) and the full T x T scores never need to exist together.
+
+A chunk carries the global positions of its rows (`parallel.context.Chunk`), which is
+all the causal mask needs: a key is visible to a query when its position is not later.
+For each query chunk the visible key chunks of the block form one softmax group (in
+our layouts they are always a prefix of the block); chunks entirely in the future
+are skipped, not masked. Each group's normalised output O_g and log-sum-exp L_g are
+folded into the running result with the online-softmax rule (Milakov & Gimelshein
+2018; flash attention, Dao et al. 2022, Alg. 1):
+
+    L = log(exp(L) + exp(L_g)),   O = O exp(L_old - L) + O_g exp(L_g - L)
+
+The backward needs, per group, its probabilities P_g (kept) rescaled to the final
+normaliser, P = P_g exp(L_g - L), and D = rowsum(dO * O) (flash attention, Alg. 2):
+
+    dV += P^T dO,   dS = P * (dO V^T - D),   dQ += dS K,   dK += dS^T Q
+"""
+
+import numpy as np
+
+from numpitron.nn.functional import softmax_lastdim_with_lse_
+
+_MASKS = {}
+
+
+def _mask(q_chunk, k_chunks, dtype):
+    """Additive causal mask of a group by positions, or None when every key is visible."""
+    if all(k.last_position <= q_chunk.position for k in k_chunks):
+        return None
+    key = (q_chunk, tuple(k_chunks), np.dtype(dtype))
+    if key not in _MASKS:
+        if len(_MASKS) > 256:            # generation visits many shapes: keep the cache small
+            _MASKS.clear()
+        q_pos = np.arange(q_chunk.position, q_chunk.last_position + 1)[:, None]
+        k_pos = np.concatenate([np.arange(k.position, k.last_position + 1) for k in k_chunks])[None, :]
+        _MASKS[key] = np.where(k_pos > q_pos, -np.inf, 0.0).astype(dtype)
+    return _MASKS[key]
+
+
+class AttentionState:
+    """The running output O (B, H, T, hd) and log-sum-exp L (B, H, T, 1) of the queries,
+    and how many groups each query chunk has folded in."""
+
+    def __init__(self, q):
+        self.out = np.zeros_like(q)
+        self.lse = np.full(q.shape[:-1] + (1,), -np.inf, q.dtype)
+        self.groups = {}
+
+
+def attend_block(q, q_chunks, k, v, k_chunks, state: AttentionState) -> list:
+    """Fold the attention of q's chunks to the visible chunks of (k, v) into `state`.
+    q holds the 1/sqrt(hd) scale already. Returns what the backward needs."""
+    saved = []
+    for qc in q_chunks:
+        visible = [kc for kc in k_chunks if kc.position <= qc.last_position]
+        if not visible:
+            continue
+        end = visible[-1].stop                      # the visible chunks are rows [0, end)
+        rows = slice(qc.start, qc.stop)
+        probs = q[:, :, rows] @ k[:, :, :end].transpose(0, 1, 3, 2)     # (B, H, tq, tk)
+        mask = _mask(qc, visible, q.dtype)
+        if mask is not None:
+            probs += mask
+        lse = softmax_lastdim_with_lse_(probs)
+        out = probs @ v[:, :, :end]
+        seen = state.groups.get(qc, 0)
+        if seen == 0:
+            state.out[:, :, rows] = out
+            state.lse[:, :, rows] = lse
+        else:
+            old = state.lse[:, :, rows]
+            new = np.logaddexp(old, lse)
+            state.out[:, :, rows] *= np.exp(old - new)
+            state.out[:, :, rows] += out * np.exp(lse - new)
+            state.lse[:, :, rows] = new
+        state.groups[qc] = seen + 1
+        saved.append((qc, end, probs, lse))
+    return saved
+
+
+def attend_block_backward(saved, q, k, v, dout, d_rowsum, state: AttentionState, dq, dk, dv) -> None:
+    """Accumulate one block's contribution to dq (unscaled: the caller applies the
+    scale), and to this block's dk and dv."""
+    for qc, end, probs, lse in saved:
+        rows = slice(qc.start, qc.stop)
+        if state.groups[qc] > 1:                    # the group's own normaliser was not the final one
+            probs = probs * np.exp(lse - state.lse[:, :, rows])
+        do = dout[:, :, rows]
+        dv[:, :, :end] += probs.transpose(0, 1, 3, 2) @ do
+        ds = do @ v[:, :, :end].transpose(0, 1, 3, 2)
+        ds -= d_rowsum[:, :, rows]
+        ds *= probs
+        dq[:, :, rows] += ds @ k[:, :, :end]
+        dk[:, :, :end] += ds.transpose(0, 1, 3, 2) @ q[:, :, rows]
