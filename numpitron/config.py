@@ -62,7 +62,7 @@ def check_layout(model: ModelConfig, train, mesh) -> None:
                         f"tensor-parallel size ({tensor})")
     if model.n_layers % pipeline:
         raise UserError(f"n_layers ({model.n_layers}) must be divisible by the pipeline-parallel size ({pipeline})")
-    if model.seq_len % (2 * context):
+    if context > 1 and model.seq_len % (2 * context):
         raise UserError(f"seq_len ({model.seq_len}) must be divisible by 2 x the context-parallel size "
                         f"({2 * context}): each rank holds two chunks of every sequence (the zigzag split)")
     if train is not None:

@@ -34,6 +34,7 @@ class ParallelAttention(Layer):
         self.head_dim = d_model // n_heads
         self.scale = 1.0 / np.sqrt(self.head_dim)
         self.cp, self.cp_rank = topo.cp_comm, topo.cp_comm.rank
+        self.chunks = zigzag_chunks          # which positions each cp rank holds
         self.qkv = ColumnParallelLinear(f"{name}.qkv", d_model, d_model, topo, groups=3)
         self.proj = RowParallelLinear(f"{name}.proj", d_model, d_model, topo, std=out_std)
 
@@ -66,13 +67,13 @@ class ParallelAttention(Layer):
 
     def _ring_forward(self, q, k, v, state):
         T, cp = q.shape[2], self.cp.size
-        mine = zigzag_chunks(T, cp, self.cp_rank)
+        mine = self.chunks(T, cp, self.cp_rank)
         saved, block = [], [k, v]
         for step in range(cp):
             owner = (self.cp_rank - step) % cp
             if step + 1 < cp:                            # pass this block on while using it
                 incoming, pending = self.cp.ring_pass(block, KV_TAG)
-            saved.append(attend_block(q, mine, *block, zigzag_chunks(T, cp, owner), state))
+            saved.append(attend_block(q, mine, *block, self.chunks(T, cp, owner), state))
             if step + 1 < cp:
                 self.cp.wait_all(pending)
                 block = incoming
@@ -86,13 +87,14 @@ class ParallelAttention(Layer):
         # D = rowsum(dO * O), from the merged output the projection kept: (B, H/tp, T, 1)
         d_rowsum = (dmerged * cache["proj"]["x"]).reshape(heads).sum(axis=-1).transpose(0, 2, 1)[..., None]
         dout = np.ascontiguousarray(dmerged.reshape(heads).transpose(0, 2, 1, 3))
-        dqkv = np.zeros((3, B, self.local_heads, T, self.head_dim), dy.dtype)
+        dqkv = np.empty((3, B, self.local_heads, T, self.head_dim), dy.dtype)
         dq, dk, dv = dqkv
-        block, grads = [k, v], [dk, dv]
+        block, grads, dq_written = [k, v], [dk, dv], set()
         for step, saved in enumerate(cache["saved"]):
             if step + 1 < len(cache["saved"]):
                 incoming, pending = self.cp.ring_pass(block, KV_TAG)
-            attend_block_backward(saved, q, *block, dout, d_rowsum, state, dq, *grads)
+            attend_block_backward(saved, q, *block, dout, d_rowsum, state, dq, *grads, dq_written,
+                                  block_grads_fresh=step == 0)
             # The block's gradients travel with it; after the last step, home to its owner.
             grads, grad_pending = self.cp.ring_pass(grads, GRAD_TAG)
             self.cp.wait_all(grad_pending)

@@ -80,17 +80,31 @@ def attend_block(q, q_chunks, k, v, k_chunks, state: AttentionState) -> list:
     return saved
 
 
-def attend_block_backward(saved, q, k, v, dout, d_rowsum, state: AttentionState, dq, dk, dv) -> None:
+def _matmul_into(dst, a, b, overwrite: bool) -> None:
+    """dst = a @ b (straight into dst, no temporary) or dst += a @ b."""
+    if overwrite:
+        np.matmul(a, b, out=dst)
+    else:
+        dst += a @ b
+
+
+def attend_block_backward(saved, q, k, v, dout, d_rowsum, state: AttentionState, dq, dk, dv,
+                          dq_written: set, block_grads_fresh: bool) -> None:
     """Accumulate one block's contribution to dq (unscaled: the caller applies the
-    scale), and to this block's dk and dv."""
-    for qc, end, probs, lse in saved:
+    scale), and to this block's dk and dv. The first write into a buffer that holds
+    nothing yet skips the add (dq_written: query chunks already written; the block's
+    gradients are fresh on the first ring step). Groups covering more keys go first,
+    so that first write covers every row any later group adds to."""
+    for qc, end, probs, lse in sorted(saved, key=lambda group: -group[1]):
         rows = slice(qc.start, qc.stop)
         if state.groups[qc] > 1:                    # the group's own normaliser was not the final one
             probs = probs * np.exp(lse - state.lse[:, :, rows])
         do = dout[:, :, rows]
-        dv[:, :, :end] += probs.transpose(0, 1, 3, 2) @ do
+        _matmul_into(dv[:, :, :end], probs.transpose(0, 1, 3, 2), do, block_grads_fresh)
         ds = do @ v[:, :, :end].transpose(0, 1, 3, 2)
         ds -= d_rowsum[:, :, rows]
         ds *= probs
-        dq[:, :, rows] += ds @ k[:, :, :end]
-        dk[:, :, :end] += ds.transpose(0, 1, 3, 2) @ q[:, :, rows]
+        _matmul_into(dq[:, :, rows], ds, k[:, :, :end], qc not in dq_written)
+        _matmul_into(dk[:, :, :end], ds.transpose(0, 1, 3, 2), q[:, :, rows], block_grads_fresh)
+        dq_written.add(qc)
+        block_grads_fresh = False

@@ -32,6 +32,11 @@ def zigzag_chunks(local_len: int, cp: int, rank: int) -> list[Chunk]:
     return [Chunk(0, size, rank * size), Chunk(size, local_len, (2 * cp - 1 - rank) * size)]
 
 
+def contiguous_chunks(local_len: int, cp: int, rank: int) -> list[Chunk]:
+    """The plain split, for comparison only: rank r holds part r of cp, whole."""
+    return [Chunk(0, local_len, rank * local_len)]
+
+
 def local_positions(seq_len: int, cp: int, rank: int) -> np.ndarray:
     """Global positions of the tokens rank `rank` holds, in its local order: (T/cp,)."""
     return np.concatenate([np.arange(c.position, c.last_position + 1)
