@@ -119,7 +119,8 @@ def timed_steps(trainer, tokens, iters: int, world) -> dict:
             "comm_bytes_per_iter": trainer.topo.stats.total_bytes() / iters,
             "comm_seconds_per_iter_by_kind": {k: v["seconds"] / iters for k, v in trainer.topo.stats.snapshot().items()},
             "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,     # Linux: KiB
-            "optimizer_state_bytes": trainer.optimizer.state_nbytes()}
+            "optimizer_state_bytes": trainer.optimizer.state_nbytes(),
+            "peak_activation_bytes": trainer.last_pipeline_stats.peak_activation_bytes}
 
 
 def main():
@@ -159,7 +160,7 @@ def main():
     snapshot = topo.stats.snapshot()
     result = {
         "mesh": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "world": n_ranks,
-                 "schedule": args.pipeline_schedule if topo.pp > 1 else None, "zero_stage": args.zero_stage,
+                 "cp": topo.cp, "schedule": args.pipeline_schedule if topo.pp > 1 else None, "zero_stage": args.zero_stage,
                  "overlap_grad_reduce": args.overlap_grad_reduce, "bucket_size": args.bucket_size,
                  "micro_batch": args.micro_batch_size, "global_batch": trainer.global_batch_size,
                  "num_microbatches": trainer.num_microbatches},
@@ -191,6 +192,7 @@ def main():
         "peak_rss_mb": round(max(r["peak_rss_kb"] for r in ranks) / 1024, 1),
         "baseline_rss_mb_rank0": round(baseline_rss_kb / 1024, 1),
         "optimizer_state_bytes_per_rank": [r["optimizer_state_bytes"] for r in ranks],
+        "peak_activation_bytes_per_rank": [r["peak_activation_bytes"] for r in ranks],
         "page_faults_per_iter_per_rank": [round(r["page_faults_per_iter"]) for r in ranks],
     }
     if machine0 and machine1 and machine1[1] > machine0[1]:
