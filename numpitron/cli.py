@@ -80,6 +80,8 @@ def add_file_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--input", default=None, help="a local tinyshakespeare.txt to use instead of downloading")
     g.add_argument("--out-dir", default="out", help="metrics.jsonl and checkpoints")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace the run in --out-dir (its metrics.jsonl and the checkpoints this library wrote)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

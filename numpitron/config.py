@@ -4,6 +4,7 @@ Every check here runs identically on every rank before any communication, so a b
 configuration becomes one error message and never a hang.
 """
 
+import math
 from dataclasses import asdict, dataclass, fields
 
 from numpitron.errors import UserError
@@ -25,10 +26,11 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     def validate(self) -> "ModelConfig":
+        _integers(self, "vocab_size", "seq_len", "n_layers", "n_heads", "d_model")
         _positive(self, "vocab_size", "seq_len", "n_layers", "n_heads", "d_model")
         if self.d_model % self.n_heads:
             raise UserError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
-        if self.dtype not in DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise UserError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         return self
 
@@ -92,9 +94,13 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         _positive(self, "micro_batch_size", "max_iters", "eval_interval", "eval_iters", "log_interval", "keep_checkpoints")
-        _non_negative(self, "global_batch_size", "warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip", "save_interval", "min_lr")
-        if not self.lr > 0:
-            raise UserError(f"lr must be positive, got {self.lr}")
+        _non_negative(self, "global_batch_size", "warmup_iters", "lr_decay_iters", "save_interval", "seed")
+        _finite(self, "lr", "min_lr", "weight_decay", "grad_clip", "beta1", "beta2", "eps")
+        _non_negative(self, "weight_decay", "grad_clip", "min_lr")
+        _positive(self, "lr", "eps")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise UserError(f"{name} must lie in [0, 1), got {getattr(self, name)}")
         if self.min_lr > self.lr:
             raise UserError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         return self
@@ -111,6 +117,21 @@ class TrainConfig:
 
     def global_batch(self, data_parallel: int) -> int:
         return self.global_batch_size or self.micro_batch_size * data_parallel
+
+
+def _integers(cfg, *names):
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise UserError(f"{name.replace('_', '-')} must be an integer, got {value!r} "
+                            f"({type(value).__name__})")
+
+
+def _finite(cfg, *names):
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise UserError(f"{name.replace('_', '-')} must be a finite number, got {value!r}")
 
 
 def _positive(cfg, *names):

@@ -11,12 +11,15 @@ from pathlib import Path
 
 from numpitron.checkpoint import latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint
 from numpitron.checkpoint.manifest import iter_dirs
-from numpitron.data.batches import load_tokens
-from numpitron.data.prepare import ensure_prepared, prepared_paths
-from numpitron.data.tokenizer import CharTokenizer
+from numpitron.checkpoint.prune import written_by_us
+from numpitron.data.prepare import ensure_prepared
+from numpitron.data.prepared import load_prepared
+from numpitron.distributed.agree import on_every_rank
 from numpitron.errors import UserError
+from numpitron.memory import check_fits
 from numpitron.metrics import MetricsLog
 from numpitron.parallel.pipeline import bubble_fraction
+from numpitron.rundir import METRICS_NAME, claim_on_every_rank
 from numpitron.trainer import Trainer
 
 
@@ -30,12 +33,14 @@ def prepare_data_on_ranks(topo, data_dir: Path, input_path=None) -> dict:
 
 
 def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=False,
-          progress=True, input_path=None) -> dict:
+          progress=True, input_path=None, overwrite=False) -> dict:
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     paths = prepare_data_on_ranks(topo, data_dir, input_path)
-    tokenizer = CharTokenizer.load(paths["tokenizer"])
+    tokenizer, splits = on_every_rank(topo.world, lambda: load_prepared(paths, model_cfg.seq_len))
     model_cfg = replace(model_cfg, vocab_size=tokenizer.vocab_size).validate()
-    splits = {"train": load_tokens(paths["train"]), "val": load_tokens(paths["val"])}
+    in_flight = train_cfg.num_microbatches(topo.dp) if parallel_cfg.schedule == "gpipe" else topo.pp
+    on_every_rank(topo.world, lambda: check_fits(model_cfg, train_cfg, topo, in_flight))
+    claim_on_every_rank(topo, out_dir, resume, overwrite)
     trainer = Trainer(model_cfg, parallel_cfg, train_cfg, topo)
     ckpt_root = out_dir / "checkpoints"
     best_ckpt = None
@@ -49,7 +54,7 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
     def save(reason: str, protect):
         extra = {"saved_for": reason, "tokenizer": tokenizer.to_dict()}
         return save_checkpoint(ckpt_root, trainer, train_cfg.keep_checkpoints, protect=protect, extra=extra)
-    log = MetricsLog(out_dir / "metrics.jsonl", topo.is_logger, trainer.iteration if resume else None)
+    log = MetricsLog(out_dir / METRICS_NAME, topo.is_logger, trainer.iteration if resume else None)
     if topo.is_logger:
         print(topo, flush=True)
         print(f"model: {sum(int(math.prod(p.logical_shape)) for p in trainer.model.parameters())} parameters on stage 0; "
@@ -77,13 +82,13 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
             record.update(val_loss=last_eval["val"], eval_train_loss=last_eval["train"])
             improved = last_eval["val"] < trainer.best_val_loss
             trainer.best_val_loss = min(trainer.best_val_loss, last_eval["val"])
+        if is_eval or it % train_cfg.log_interval == 0 or it == train_cfg.max_iters:
+            log.write(record)            # before the save: a kill during it keeps this row
+            _report(bar, record, topo.is_logger)
         reason = checkpoint_reason(it, improved, train_cfg)
         if reason:
             path = save(reason, protect=best_ckpt)
             best_ckpt = path if reason == "best" else best_ckpt
-        if is_eval or it % train_cfg.log_interval == 0 or it == train_cfg.max_iters:
-            log.write(record)
-            _report(bar, record, topo.is_logger)
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -105,7 +110,7 @@ def checkpoint_reason(iteration: int, improved: bool, train_cfg) -> str | None:
 
 def best_checkpoint(root: Path):
     """The newest checkpoint saved for an improved val loss (kept through pruning)."""
-    best = [p for p in iter_dirs(root) if read_manifest(p).get("saved_for") == "best"]
+    best = [p for p in iter_dirs(root) if written_by_us(p) and read_manifest(p).get("saved_for") == "best"]
     return best[-1] if best else None
 
 

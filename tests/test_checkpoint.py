@@ -17,6 +17,7 @@ from numpitron.config import ModelConfig, TrainConfig
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
 from numpitron.model import GPTStage
+from numpitron.checkpoint.prune import OWNER_MARKER
 from numpitron.trainer import Trainer
 from tests.harness import SMALLER, train_steps, make_trainer as harness_trainer, tiny_model
 
@@ -107,20 +108,38 @@ def test_manifest_and_tensors_have_full_logical_shapes(saved):
     assert (path.parent / "latest").read_text().strip() == path.name
 
 
-def test_latest_ignores_crash_leftovers_and_the_next_save_removes_them(tmp_path):
+def test_latest_ignores_crash_leftovers_and_the_next_save_removes_only_its_own(tmp_path):
     trainer = make_trainer()
     first = save_checkpoint(tmp_path, trainer)
-    (tmp_path / ".tmp-iter_000009-123").mkdir()                 # a crash mid-write
+    crashed = tmp_path / ".tmp-iter_000009-123"                 # a crash mid-write: marked as ours
+    crashed.mkdir()
+    (crashed / OWNER_MARKER).touch()
+    (tmp_path / ".trash-iter_000004-77" / "params").mkdir(parents=True)     # a crash mid-prune
     (tmp_path / "iter_000008" / "params").mkdir(parents=True)   # no manifest: incomplete
     (tmp_path / "latest").write_text("iter_000008\n")          # pointing at it
+    users = [tmp_path / "iter_999999" / "notes.txt", tmp_path / ".tmp-notes", tmp_path / ".tmp-iter_000005-1" / "x"]
+    for path in users:                                           # the user's own files
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("mine")
     assert latest_checkpoint(tmp_path) == first
     (tmp_path / "latest").unlink()
     assert latest_checkpoint(tmp_path) == first
     assert latest_checkpoint(tmp_path / "nowhere") is None
     train_steps(trainer, 1, TOKENS)
     second = save_checkpoint(tmp_path, trainer)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_000000", "iter_000001", "latest"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-iter_000005-1", ".tmp-notes", "iter_000000",
+                                                          "iter_000001", "iter_000008", "iter_999999", "latest"]
+    assert all(path.read_text() == "mine" for path in users)
     assert latest_checkpoint(tmp_path) == second
+
+
+def test_pruning_spares_a_checkpoint_holding_a_file_it_did_not_write(tmp_path):
+    trainer = make_trainer()
+    kept = save_checkpoint(tmp_path, trainer, keep=1)
+    (kept / "README.txt").write_text("my notes on this run")
+    train_steps(trainer, 1, TOKENS)
+    save_checkpoint(tmp_path, trainer, keep=1)
+    assert (kept / "README.txt").read_text() == "my notes on this run" and (kept / "manifest.json").is_file()
 
 
 def test_keep_prunes_to_the_newest_but_spares_protect(tmp_path):

@@ -42,7 +42,10 @@ def export_npz(checkpoint_dir, out_file) -> Path:
             np.savez(f, allow_pickle=False, **arrays)
         os.replace(tmp, out_file)
     except OSError as error:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass                         # e.g. a read-only directory: nothing was created there
         raise UserError(f"cannot write {out_file}: {error.strerror or error}") from None
     return out_file
 
@@ -101,6 +104,12 @@ def _read_archive(npz_file: Path):
     """({name: array}, ModelConfig) from an archive, refusing anything that needs pickle."""
     if not npz_file.is_file():
         raise UserError(f"archive not found: {npz_file}")
+    with open(npz_file, "rb") as f:
+        magic = f.read(4)
+    if magic.startswith(b"\x93NUM"):
+        raise UserError(f"{npz_file} is a single .npy array, not an .npz archive")
+    if magic != b"PK\x03\x04":                      # an .npz is a zip archive
+        raise UserError(f"{npz_file} is not an .npz archive")
     try:
         archive = np.load(npz_file, allow_pickle=False)
         if not isinstance(archive, np.lib.npyio.NpzFile):

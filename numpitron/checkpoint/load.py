@@ -14,6 +14,7 @@ import numpy as np
 from numpitron.checkpoint.manifest import (KINDS, LATEST_NAME, is_complete, iter_dirs, iteration_of,
                                            read_manifest, tensor_relpath, verify_tensor_file)
 from numpitron.config import ModelConfig
+from numpitron.distributed.agree import on_every_rank
 from numpitron.distributed.gather import fill_from_full
 from numpitron.errors import UserError
 
@@ -36,12 +37,12 @@ def latest_checkpoint(root) -> Path | None:
 def load_checkpoint(path, trainer) -> dict:
     """Restore parameters, Adam state, iteration and best validation loss into
     `trainer`, whatever its mesh. Called by every rank; returns the manifest."""
-    return _on_every_rank(trainer.topo.world, lambda: _load_training_state(Path(path), trainer))
+    return on_every_rank(trainer.topo.world, lambda: _load_training_state(Path(path), trainer))
 
 
 def load_model_weights(path, model, expected_model_cfg=None) -> dict:
     """Parameters only (for sampling) into a GPTStage on any tensor-parallel mesh."""
-    return _on_every_rank(model.topo.world, lambda: _load_weights(Path(path), model, expected_model_cfg))
+    return on_every_rank(model.topo.world, lambda: _load_weights(Path(path), model, expected_model_cfg))
 
 
 def check_model_config(manifest: dict, model_cfg: ModelConfig) -> None:
@@ -50,7 +51,9 @@ def check_model_config(manifest: dict, model_cfg: ModelConfig) -> None:
     differing = []
     for field in fields(ModelConfig):
         stored, current = saved.get(field.name, field.default), getattr(model_cfg, field.name)
-        if stored != current:
+        if type(stored) is not type(current):
+            differing.append(f"{field.name} is {stored!r} ({type(stored).__name__}), expected a {type(current).__name__}")
+        elif stored != current:
             differing.append(f"{field.name} {stored} != {current}")
     if differing:
         raise UserError(f"checkpoint model config differs from the flags: {', '.join(differing)}")
@@ -79,7 +82,11 @@ class TensorReader:
             relpath = tensor_relpath(kind, name)
             if relpath not in self.arrays:
                 raise UserError(f"corrupt checkpoint {self.path}: the manifest lists no {relpath}")
-            return np.asarray(self.arrays[relpath], dtype=dtype)
+            array = np.asarray(self.arrays[relpath], dtype=dtype)
+            if not np.all(np.isfinite(array)):
+                raise UserError(f"corrupt checkpoint {self.path}: {relpath} holds NaN or infinite values; "
+                                f"refusing to load it")
+            return array
         return get
 
 
@@ -120,28 +127,3 @@ def _full_stage_buffer(reader: TensorReader, kind: str, model) -> np.ndarray:
     except ValueError as error:
         raise UserError(f"checkpoint {reader.path} does not fit this model: {error}") from None
     return flat
-
-
-def _on_every_rank(comm, attempt):
-    """Run attempt() on every rank of comm; if it fails on any, it fails on all.
-
-    The checks are deterministic, so normally every rank fails alike; this agreement
-    covers the rest (a file only one stage reads, an I/O error on one host), so that
-    one rank's failure never leaves the others waiting in the next collective.
-    """
-    error = None
-    try:
-        result = attempt()
-    except Exception as caught:   # noqa: BLE001 -- re-raised below, on this rank and the others
-        error = caught
-    # The lowest failing rank speaks for all: encode it so that MAX finds it.
-    code = comm.all_reduce_object_max(comm.size - comm.rank if error is not None else 0)
-    if code == 0:
-        return result
-    speaker = comm.size - code
-    told = comm.broadcast_object((isinstance(error, UserError), str(error)) if comm.rank == speaker else None,
-                                 root=speaker)
-    if error is not None:
-        raise error
-    is_user_error, message = told
-    raise UserError(message if is_user_error else f"loading the checkpoint failed on rank {speaker}: {message}")

@@ -3,7 +3,8 @@
 Rank 0 writes into `ROOT/.tmp-<name>-<pid>`, fsyncs every file, writes the manifest
 last, then renames the directory into place: a crash at any moment leaves either
 the previous checkpoint or the new one, never half of one. Leftover temporaries
-are removed by the next save.
+are removed by the next save, and old checkpoints pruned (prune.py) only when this
+library can show it wrote them.
 """
 
 import os
@@ -14,8 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from numpitron.checkpoint.manifest import (FORMAT_VERSION, LATEST_NAME, MANIFEST_NAME, TMP_PREFIX,
-                                           describe_tensor_file, is_complete, iter_dir_name, iter_dirs,
-                                           tensor_relpath, write_json_synced)
+                                           describe_tensor_file, iter_dir_name, tensor_relpath, write_json_synced)
+from numpitron.checkpoint.prune import OWNER_MARKER, prune_checkpoints
 from numpitron.config import to_dict
 from numpitron.distributed.gather import gather_full
 from numpitron.errors import UserError
@@ -80,6 +81,7 @@ def write_checkpoint(root: Path, iteration: int, tensors: dict, fields: dict) ->
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    (tmp / OWNER_MARKER).touch()            # proves to a later prune that this library made it
     try:
         _write_contents(tmp, tensors, fields)
     except BaseException:
@@ -127,29 +129,6 @@ def write_latest(root: Path, name: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, root / LATEST_NAME)
     _fsync_dir(root)
-
-
-def prune_checkpoints(root: Path, keep: int, keep_also=()) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints (never those in
-    keep_also), every incomplete iter_ directory and every crash leftover. Returns
-    what was deleted."""
-    root = Path(root)
-    spared = {Path(p).resolve() for p in keep_also if p is not None}
-    complete = [p for p in iter_dirs(root) if is_complete(p)]
-    newest = {p.resolve() for p in complete[-keep:]}
-    doomed = [p for p in iter_dirs(root) if p.resolve() not in spared | newest]
-    # Only one writer per ROOT exists, and it has renamed its own temporaries away.
-    doomed += [p for p in root.iterdir() if p.name.startswith(TMP_PREFIX)]
-    for path in doomed:
-        # Best effort: a checkpoint that cannot be deleted costs disk space, not correctness.
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            try:
-                path.unlink(missing_ok=True)
-            except OSError:
-                pass
-    return doomed
 
 
 def _write_npy_synced(path: Path, array: np.ndarray) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from numpitron.data.prepared import RECORD_NAME, write_record
 from numpitron.data.tokenizer import CharTokenizer
 from numpitron.errors import UserError
 
@@ -76,6 +77,9 @@ def prepare_data(data_dir, input_path=None, quiet=False, expected_sha256=SHA256)
     _write_atomically(paths["train"], ids[:n_train].tobytes())
     _write_atomically(paths["val"], ids[n_train:].tobytes())
     _replace_atomically(paths["tokenizer"], tokenizer.save)
+    # Last: the record of what was written, which training checks before using it.
+    written = [paths[k] for k in ("tokenizer", "train", "val")]
+    _replace_atomically(data_dir / RECORD_NAME, lambda tmp: write_record(tmp, written, tokenizer.vocab_size))
     _say(quiet, f"vocab {tokenizer.vocab_size}, train {n_train:,} tokens, "
                 f"val {len(ids) - n_train:,} tokens -> {data_dir}")
     return paths

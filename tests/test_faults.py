@@ -1,0 +1,215 @@
+"""Nothing lost, nothing silently wrong: a used run directory, damaged data, nonsense
+flags, a checkpoint with NaN in it, and kills at random moments during saves and
+prunes. Every refusal is one line from one rank, a non-zero exit, and the user's files
+byte for byte as they were."""
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from numpitron.checkpoint import latest_checkpoint
+from tests.conftest import REPO
+from tests.test_cli import PYTHON, TINY, error_lines, losses, run, train
+
+TRAIN = TINY + ["--eval-interval", "4"]
+
+
+def snapshot(root: Path) -> dict:
+    """Every file under root with the hash of its bytes."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def one_line_error(result, fragment: str):
+    assert result.returncode != 0, result.stderr
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1 and fragment in lines[0], result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, data_dir):
+    out = tmp_path_factory.mktemp("run")
+    assert train(data_dir, out, "--max-iters", "4").returncode == 0
+    return out
+
+
+def test_a_fresh_run_into_a_used_out_dir_is_refused_and_overwrite_replaces_only_ours(finished_run, data_dir,
+                                                                                      tmp_path):
+    out = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(finished_run), str(out)], check=True)
+    (out / "notes.txt").write_text("keep me")
+    before = snapshot(out)
+    result = train(data_dir, out, "--max-iters", "3", nprocs=2)
+    one_line_error(result, "already holds a run")
+    assert "--resume" in result.stderr and "--overwrite" in result.stderr
+    assert snapshot(out) == before
+    assert train(data_dir, out, "--max-iters", "3", "--overwrite").returncode == 0
+    assert sorted(losses(out)) == [1, 2, 3] and (out / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    ("id out of range", "outside the vocabulary"),
+    ("truncated tokenizer", "tokenizer.json"),
+    ("short val", "val.bin"),
+])
+def test_damaged_prepared_data_is_refused_naming_the_file(data_dir, tmp_path, damage, fragment):
+    data = tmp_path / "data"
+    subprocess.run(["cp", "-r", str(data_dir), str(data)], check=True)
+    assert train(data, tmp_path / "first", "--max-iters", "1").returncode == 0      # prepares data/
+    if damage == "id out of range":
+        ids = np.fromfile(data / "train.bin", np.uint16)
+        ids[100] = 900
+        ids.tofile(data / "train.bin")
+        (data / "prepared.json").unlink()            # as if prepared before the record existed
+    elif damage == "truncated tokenizer":
+        raw = (data / "tokenizer.json").read_bytes()
+        (data / "tokenizer.json").write_bytes(raw[: len(raw) // 2])
+    else:
+        np.fromfile(data / "val.bin", np.uint16)[:10].tofile(data / "val.bin")
+    before = snapshot(data)
+    one_line_error(train(data, tmp_path / "second", "--max-iters", "1", nprocs=2), fragment)
+    assert snapshot(data) == before
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--grad-clip", "nan"], "grad-clip must be a finite number"),
+    (["--lr", "inf"], "lr must be a finite number"),
+    (["--beta1", "1.5"], "beta1 must lie in [0, 1)"),
+    (["--beta2", "-3"], "beta2 must lie in [0, 1)"),
+    (["--weight-decay", "nan"], "weight-decay must be a finite number"),
+    (["--min-lr", "nan"], "min-lr must be a finite number"),
+    (["--seed", "-5"], "seed must not be negative"),
+    (["--d-model", "100000", "--n-heads", "4"], "GiB per rank"),
+    (["--seq-len", "100000"], "GiB per rank"),
+])
+def test_nonsense_numbers_are_one_line_from_one_rank(data_dir, tmp_path, flags, fragment):
+    one_line_error(train(data_dir, tmp_path, "--max-iters", "2", *flags, nprocs=2), fragment)
+
+
+def test_an_out_dir_that_cannot_be_written_is_one_line(data_dir, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    one_line_error(train(data_dir, blocker / "out", "--max-iters", "1"), "cannot write to --out-dir")
+
+
+def test_a_checkpoint_with_nan_or_a_mistyped_config_is_refused_by_sample_and_resume(finished_run, data_dir,
+                                                                                    tmp_path):
+    out = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(finished_run), str(out)], check=True)
+    ckpt = latest_checkpoint(out / "checkpoints")
+    tensor = ckpt / "params" / "ln_f.weight.npy"
+    array = np.load(tensor)
+    array[0] = np.nan
+    np.save(tensor, array)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    entry = manifest["tensors"]["params/ln_f.weight.npy"]
+    from numpitron.checkpoint.manifest import file_checksum
+    entry["bytes"], entry["crc32"] = tensor.stat().st_size, file_checksum(tensor)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    before = snapshot(out)
+    one_line_error(run(["--out-dir", str(out)], script="sample.py", nprocs=2), "NaN or infinite")
+    one_line_error(train(data_dir, out, "--max-iters", "6", "--resume"), "NaN or infinite")
+    manifest["model_config"]["d_model"] = "32"
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    before = snapshot(out)
+    one_line_error(run(["--out-dir", str(out)], script="sample.py", nprocs=2), "d-model must be an integer")
+    one_line_error(train(data_dir, out, "--max-iters", "6", "--resume"), "d_model is '32' (str)")
+    assert snapshot(out) == before
+
+
+def test_convert_refuses_a_text_file_and_an_unwritable_target_in_one_line(finished_run, tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    convert = ["-m", "numpitron.checkpoint.convert"]
+    result = subprocess.run([PYTHON, *convert, "import", str(text), str(tmp_path / "root")],
+                            capture_output=True, text=True, cwd=REPO)
+    one_line_error(result, "is not an .npz archive")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    ckpt = latest_checkpoint(finished_run / "checkpoints")
+    result = subprocess.run([PYTHON, *convert, "export", str(ckpt), str(blocker / "model.npz")],
+                            capture_output=True, text=True, cwd=REPO)
+    one_line_error(result, "cannot write")
+
+
+def test_a_partial_metrics_line_is_dropped_on_resume_with_one_note(finished_run, data_dir, tmp_path):
+    out = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(finished_run), str(out)], check=True)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"iter": 5, "train_lo')                  # a row cut short by a kill
+    result = train(data_dir, out, "--max-iters", "6", "--resume")
+    assert result.returncode == 0, result.stderr
+    assert "dropped 1 unreadable line" in result.stdout
+    assert sorted(losses(out)) == [1, 2, 3, 4, 5, 6]
+
+
+def kill_loop_args(data_dir, out):
+    return TRAIN + ["--data-dir", str(data_dir), "--out-dir", str(out), "--max-iters", "16",
+                    "--save-interval", "1", "--keep-checkpoints", "1"]
+
+
+def metrics_history(out: Path) -> dict:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["iter"]: tuple(r.get(k) for k in ("train_loss", "lr", "grad_norm", "val_loss")) for r in rows}
+
+
+def test_random_kills_during_saves_and_prunes_always_resume_exactly(data_dir, tmp_path):
+    """20 SIGKILLs at random moments (fixed seed); after each the run is started again
+    (--resume once a checkpoint exists). The finished run has the uninterrupted run's
+    float64 losses and its whole metrics history."""
+    reference = tmp_path / "reference"
+    assert run(kill_loop_args(data_dir, reference)).returncode == 0
+    victim, rng, kills, start_over, inside_io = tmp_path / "victim", random.Random(1234), 0, False, 0
+    script = [PYTHON, str(REPO / "tests/scripts/train_slow_io.py")]
+    while kills < 20:
+        resume = latest_checkpoint(victim / "checkpoints") is not None and not start_over
+        proc = subprocess.Popen(script + kill_loop_args(data_dir, victim) + (["--resume"] if resume else ["--overwrite"]),
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(rng.uniform(0.3, 1.5))
+        start_over = proc.poll() is not None          # finished before the kill: run it again from scratch
+        if start_over:
+            assert proc.returncode == 0, proc.stderr.read()
+            continue
+        busy = [p.name for p in (victim / "checkpoints").glob(".*")] if (victim / "checkpoints").is_dir() else []
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills += 1
+        inside_io += bool(busy)                        # a save or a prune was under way
+    resumed = run(kill_loop_args(data_dir, victim) + (["--resume"] if latest_checkpoint(victim / "checkpoints")
+                                                      else ["--overwrite"]))
+    assert resumed.returncode == 0, resumed.stderr
+    assert metrics_history(victim) == metrics_history(reference)
+    assert kills == 20 and inside_io >= 3, inside_io
+
+
+def test_resume_clears_a_half_deleted_checkpoint_left_by_an_older_version(finished_run, data_dir, tmp_path):
+    out = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(finished_run), str(out)], check=True)
+    half = out / "checkpoints" / "iter_000001" / "params"
+    half.mkdir(parents=True)
+    np.save(half / "ln_f.weight.npy", np.ones(3))
+    result = train(data_dir, out, "--max-iters", "6", "--resume")
+    assert result.returncode == 0, result.stderr
+    assert "iter_000001" in result.stdout and "interrupted" in result.stdout
+    assert not (out / "checkpoints" / "iter_000001").exists()
+
+
+def test_an_agreed_error_exits_cleanly_without_leaving_shared_memory_behind(tmp_path):
+    """Every rank fails alike: they finalize instead of aborting, so MPICH removes its
+    /dev/shm segment, and stderr holds the one line and nothing from the launcher."""
+    shm = Path("/dev/shm")
+    before = set(shm.glob("mpich_shm_*")) if shm.is_dir() else set()
+    result = run(["--n-heads", "3", "--out-dir", str(tmp_path)], nprocs=2, timeout=60)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == ["error: d_model (128) must be divisible by n_heads (3)"]
+    if shm.is_dir():
+        assert set(shm.glob("mpich_shm_*")) <= before
