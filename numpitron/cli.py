@@ -3,7 +3,7 @@ them (and the MPI world) into validated configs and a Topology."""
 
 import argparse
 
-from numpitron.config import DTYPES, ModelConfig, ParallelConfig, TrainConfig, check_layout
+from numpitron.config import DTYPES, RECOMPUTE, ModelConfig, ParallelConfig, TrainConfig, check_layout
 from numpitron.errors import UserError
 
 
@@ -40,6 +40,10 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="elements per data-parallel gradient bucket")
     g.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
                    help="reduce gradients after the backward instead of during it")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split LayerNorm and residual activations over tp along the sequence")
+    g.add_argument("--recompute", choices=RECOMPUTE, default=d.recompute,
+                   help="recompute in the backward: nothing, the attention probabilities, or whole blocks")
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -91,7 +95,8 @@ def configs_from_args(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
     model = ModelConfig(seq_len=args.seq_len, n_layers=args.n_layers, n_heads=args.n_heads,
                         d_model=args.d_model, dtype=args.dtype).validate()
     parallel = ParallelConfig(schedule=args.pipeline_schedule, zero_stage=args.zero_stage,
-                              bucket_size=args.bucket_size, overlap_grad_reduce=args.overlap_grad_reduce).validate()
+                              bucket_size=args.bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
+                              sequence_parallel=args.sequence_parallel, recompute=args.recompute).validate()
     train = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size or 0,
                         **{k: getattr(args, k) for k in (
                             "max_iters", "eval_interval", "eval_iters", "warmup_iters", "lr_decay_iters",
@@ -100,12 +105,13 @@ def configs_from_args(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
     return model, parallel, train
 
 
-def mesh_from_args(args, world_size: int, model: ModelConfig, train: TrainConfig | None):
+def mesh_from_args(args, world_size: int, model: ModelConfig, train: TrainConfig | None,
+                   parallel: ParallelConfig | None = None):
     """The Mesh for this world, after every check that involves it."""
     from numpitron.distributed.topology import resolve_mesh
     mesh = resolve_mesh(world_size, args.tensor_parallel_size, args.pipeline_parallel_size,
                         args.data_parallel_size, args.context_parallel_size)
-    check_layout(model, train, mesh)
+    check_layout(model, train, mesh, parallel)
     return mesh
 
 
@@ -117,5 +123,5 @@ def setup_training(args, world=None):
     from numpitron.distributed.topology import Topology
     world = world or MPI.COMM_WORLD
     model, parallel, train = configs_from_args(args)
-    mesh = mesh_from_args(args, world.Get_size(), model, train)
+    mesh = mesh_from_args(args, world.Get_size(), model, train, parallel)
     return model, parallel, train, Topology.from_mesh(world, mesh)

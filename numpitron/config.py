@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields
 from numpitron.errors import UserError
 
 DTYPES = ("float32", "float64")
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,13 @@ class ParallelConfig:
     zero_stage: int = 0
     bucket_size: int = 1 << 20       # elements per data-parallel gradient bucket
     overlap_grad_reduce: bool = True # start each bucket's all-reduce during the backward
+    sequence_parallel: bool = False  # split LayerNorm/residual activations over tp along the sequence
+    recompute: str = "none"          # "none", "selective" (attention probabilities) or "full" (blocks)
 
     def validate(self) -> "ParallelConfig":
         _positive(self, "bucket_size")
+        if self.recompute not in RECOMPUTE:
+            raise UserError(f"unknown recompute {self.recompute!r}; choose one of {', '.join(RECOMPUTE)}")
         if self.schedule not in ("gpipe", "1f1b"):
             raise UserError(f"unknown pipeline schedule {self.schedule!r}; choose gpipe or 1f1b")
         if self.zero_stage not in (0, 1):
@@ -53,10 +58,18 @@ class ParallelConfig:
         return self
 
 
-def check_layout(model: ModelConfig, train, mesh) -> None:
+def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
     """Everything that must divide for this model to run on a mesh (tp, pp, dp, cp):
     checked identically on every rank before any communication."""
     tensor, pipeline, data, context = mesh
+    if parallel is not None and parallel.sequence_parallel:
+        if tensor == 1:
+            raise UserError("--sequence-parallel splits the sequence over tensor-parallel ranks: it needs "
+                            "--tensor-parallel-size 2 or more")
+        if (model.seq_len // context) % tensor:
+            raise UserError(f"with --sequence-parallel each tp rank holds an equal part of the sequence: seq_len "
+                            f"({model.seq_len}) / context-parallel size ({context}) must be divisible by the "
+                            f"tensor-parallel size ({tensor})")
     if model.n_heads % tensor:
         raise UserError(f"n_heads ({model.n_heads}) must be divisible by the tensor-parallel size ({tensor})")
     if (4 * model.d_model) % tensor:

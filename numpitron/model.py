@@ -18,14 +18,18 @@ from numpitron.nn.head import LanguageModelHead
 from numpitron.nn.kv_cache import KVCache
 from numpitron.nn.layer import Layer
 from numpitron.nn.param import ParamStore
+from numpitron.nn.recompute import Recomputed
+from numpitron.nn.regions import make_region
 from numpitron.parallel.context import local_positions
 
 TOKEN_EMBEDDING = "embedding.token.weight"
 
 
 class GPTStage(Layer):
-    def __init__(self, model_cfg: ModelConfig, topo, seed: int = 0):
+    def __init__(self, model_cfg: ModelConfig, topo, seed: int = 0, sequence_parallel: bool = False,
+                 recompute: str = "none"):
         self.model_cfg, self.topo = model_cfg, topo
+        self.region = make_region(topo, sequence_parallel)
         self.dtype = np.dtype(model_cfg.dtype)
         self.first, self.last = topo.is_first_stage, topo.is_last_stage
         self.layer_start, self.layer_stop = shard_bounds(model_cfg.n_layers, topo.pp, topo.pp_rank)
@@ -34,16 +38,20 @@ class GPTStage(Layer):
             # On the last stage of a pipeline this is the head's copy: counted once in
             # the gradient norm (on the first stage) and saved once.
             self.token_embedding = VocabParallelEmbedding(
-                "embedding.token", model_cfg.vocab_size, model_cfg.d_model, topo, in_norm=self.first)
+                "embedding.token", model_cfg.vocab_size, model_cfg.d_model, topo, in_norm=self.first,
+                region=self.region)
             self.tied = self.token_embedding.parameters()
         if self.first:
             position = PositionEmbedding("embedding.position", model_cfg.seq_len, model_cfg.d_model)
             positions = local_positions(model_cfg.seq_len, topo.cp, topo.cp_rank)
             self.embeddings = Embeddings(self.token_embedding, position, positions)
             self.layers.append(self.embeddings)
-        self.blocks = [Block(f"blocks.{i}", model_cfg.d_model, model_cfg.n_heads, model_cfg.n_layers, topo)
+        self.blocks = [Block(f"blocks.{i}", model_cfg.d_model, model_cfg.n_heads, model_cfg.n_layers, topo,
+                             self.region, keep_probs=recompute != "selective")
                        for i in range(self.layer_start, self.layer_stop)]
-        self.layers += self.blocks
+        # Full recomputation keeps each block's input only (nn/recompute.py).
+        self.block_layers = [Recomputed(b) for b in self.blocks] if recompute == "full" else self.blocks
+        self.layers += self.block_layers
         if self.last:
             self.head = LanguageModelHead(self.token_embedding, model_cfg.d_model, topo)
             self.layers.append(self.head)
@@ -56,8 +64,9 @@ class GPTStage(Layer):
         return self.store.params
 
     def input_shape(self, B: int, T: int) -> tuple:
-        """What this stage receives from the previous one: activations (B, T, C)."""
-        return (B, T, self.model_cfg.d_model)
+        """What this stage receives from the previous one: activations (B, T, C), the
+        sequence split over tp when sequence-parallel."""
+        return (B, T // self.region.parts, self.model_cfg.d_model)
 
     def forward(self, inputs, targets=None, kv: KVCache | None = None):
         """inputs: token ids (B, T) on the first stage, activations (B, T, C) elsewhere.
@@ -67,7 +76,7 @@ class GPTStage(Layer):
         if self.first:
             x, layer_cache = self.embeddings.forward(x, kv=kv)
             caches.append(layer_cache)
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(self.block_layers):
             x, layer_cache = block.forward(x, kv=None if kv is None else kv.layer(i))
             caches.append(layer_cache)
         if self.last:
@@ -99,9 +108,19 @@ class GPTStage(Layer):
             layer.backward_weights(layer_cache)
 
     def finalize_grads(self, grads_ready) -> None:
-        """After the last micro-batch's backward (Megatron's finalize_model_grads): sum
-        the tied token embedding's gradient over its copies on the first and last stage,
-        so both apply the same update and never drift apart. A no-op with one stage."""
+        """After the last micro-batch's backward (Megatron's finalize_model_grads). With
+        sequence parallelism every tp-replicated parameter (LayerNorms, row-parallel
+        biases, positions) saw only this rank's tokens: its gradient is summed over tp.
+        Then the tied token embedding's gradient is summed over its copies on the first
+        and last stage, so both apply the same update and never drift apart."""
+        if self.region.sequence_parallel:
+            replicated = [p for p in self.store.params if p.split_axis is None]
+            partial = np.concatenate([p.grad.reshape(-1) for p in replicated])
+            self.topo.tp_comm.all_reduce(partial)        # one message for all of them
+            offset = 0
+            for p in replicated:
+                p.grad.reshape(-1)[...] = partial[offset:offset + p.grad.size]
+                offset += p.grad.size
         if self.tied:
             self.topo.embedding_comm.all_reduce(self.token_embedding.weight.grad)
             grads_ready(self.tied)

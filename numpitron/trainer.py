@@ -30,7 +30,8 @@ class Trainer:
         self.model_cfg, self.parallel_cfg, self.train_cfg, self.topo = model_cfg, parallel_cfg, train_cfg, topo
         self.num_microbatches = train_cfg.num_microbatches(topo.dp)
         self.global_batch_size = train_cfg.global_batch(topo.dp)
-        self.model = GPTStage(model_cfg, topo, seed=train_cfg.seed)
+        self.model = GPTStage(model_cfg, topo, seed=train_cfg.seed, sequence_parallel=parallel_cfg.sequence_parallel,
+                              recompute=parallel_cfg.recompute)
         self.optimizer = make_optimizer(self.model.store, topo, train_cfg, parallel_cfg)
         self.iteration = 0          # number of completed optimizer steps
         self.best_val_loss = float("inf")

@@ -34,8 +34,9 @@ def make_trainer(model_cfg=None, train_cfg=None, topo=None, tensor=1, pipeline=1
     ParallelConfig fields (schedule, zero_stage, ...). Checked like the CLI checks."""
     model_cfg, train_cfg = model_cfg or tiny_model(), train_cfg or tiny_train()
     topo = topo or Topology.from_world(tensor, pipeline, data, context=context)
-    check_layout(model_cfg, train_cfg, (topo.tp, topo.pp, topo.dp, topo.cp))
-    return Trainer(model_cfg, ParallelConfig(**parallel).validate(), train_cfg, topo)
+    parallel_cfg = ParallelConfig(**parallel).validate()
+    check_layout(model_cfg, train_cfg, (topo.tp, topo.pp, topo.dp, topo.cp), parallel_cfg)
+    return Trainer(model_cfg, parallel_cfg, train_cfg, topo)
 
 
 def train_steps(trainer, steps: int, tokens=None) -> list[float]:

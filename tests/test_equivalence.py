@@ -5,6 +5,7 @@ and compares the losses (every rank) and the gathered full parameters (rank 0)
 with a serial run of the same configuration computed inside the same rank.
 """
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
@@ -42,12 +43,18 @@ def mesh_id(mesh):
 
 
 TWO_RANKS = [dict(data=2, bucket_size=2000), dict(tensor=2), dict(pipeline=2, schedule="gpipe"), dict(pipeline=2, schedule="1f1b"),
-             dict(data=2, zero_stage=1), dict(data=2, overlap_grad_reduce=False, bucket_size=1000), dict(context=2)]
+             dict(data=2, zero_stage=1), dict(data=2, overlap_grad_reduce=False, bucket_size=1000), dict(context=2),
+             dict(tensor=2, sequence_parallel=True), dict(tensor=2, recompute="selective"),
+             dict(tensor=2, recompute="full"), dict(tensor=2, sequence_parallel=True, recompute="selective"),
+             dict(tensor=2, sequence_parallel=True, recompute="full")]
 FOUR_RANKS = [dict(data=4), dict(tensor=4), dict(tensor=2, data=2, bucket_size=1500), dict(pipeline=4, schedule="gpipe"),
               dict(pipeline=4, schedule="1f1b"), dict(tensor=2, pipeline=2), dict(data=4, zero_stage=1),
               dict(tensor=2, data=2, zero_stage=1), dict(pipeline=2, data=2, zero_stage=1),
               dict(context=4), dict(context=2, tensor=2), dict(context=2, data=2, bucket_size=3000),
-              dict(context=2, pipeline=2, schedule="1f1b"), dict(context=2, data=2, zero_stage=1)]
+              dict(context=2, pipeline=2, schedule="1f1b"), dict(context=2, data=2, zero_stage=1),
+              dict(tensor=2, pipeline=2, sequence_parallel=True, recompute="full", schedule="1f1b"),
+              dict(tensor=2, data=2, sequence_parallel=True, zero_stage=1, recompute="selective"),
+              dict(tensor=2, context=2, sequence_parallel=True), dict(context=2, recompute="selective")]
 
 
 @pytest.mark.parallel(nprocs=2)
@@ -66,6 +73,7 @@ def test_four_ranks_match_serial(mesh):
 def test_full_3d_tp2_pp2_dp2_matches_serial():
     check_mesh(dict(tensor=2, pipeline=2, data=2, schedule="1f1b"))
     check_mesh(dict(tensor=2, pipeline=2, data=2, schedule="gpipe", zero_stage=1))
+    check_mesh(dict(tensor=2, pipeline=2, data=2, sequence_parallel=True, recompute="selective"))
 
 
 @pytest.mark.parallel(nprocs=2)
@@ -79,6 +87,15 @@ def test_clipping_that_bites_stays_exact_under_zero1():
     # grad_clip far below the gradient norm: every step is clipped
     losses, _ = check_mesh(dict(tensor=2, data=2, zero_stage=1), grad_clip=0.05)
     check_mesh(dict(pipeline=2, data=2, zero_stage=1), grad_clip=0.05)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputation_on_one_process_is_bit_for_bit_the_same_run(recompute):
+    model_cfg, train_cfg = tiny_model(), tiny_train()
+    again, _, again_params, _ = run(make_trainer(model_cfg, train_cfg, recompute=recompute))
+    plain, _, plain_params, _ = serial_reference(model_cfg, train_cfg)
+    assert list(again) == list(plain)
+    assert all(np.array_equal(again_params[k], plain_params[k]) for k in plain_params)
 
 
 def test_gradient_accumulation_equals_one_big_batch():

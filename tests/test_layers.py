@@ -23,6 +23,7 @@ from numpitron.nn.layernorm import LayerNorm
 from numpitron.nn.linear import ColumnParallelLinear, RowParallelLinear
 from numpitron.nn.mlp import ParallelMLP
 from numpitron.nn.param import ParamStore
+from numpitron.nn.recompute import Recomputed
 from tests.tolerances import EQUIV_RTOL_FLOAT64, FD_ATOL, FD_EPS, FD_RTOL, rel_diff
 
 B, T, C, H = 2, 5, 8, 2
@@ -147,6 +148,11 @@ def test_attention_is_causal():
 
 def test_block():
     check_layer(Block("blocks.0", C, H, 2, SERIAL), rand_x())
+
+
+def test_recomputed_block_and_attention_without_kept_probabilities():
+    check_layer(Recomputed(Block("blocks.0", C, H, 2, SERIAL)), rand_x())
+    check_layer(ParallelAttention("attn", C, H, SERIAL, out_std=0.3, keep_probs=False), rand_x())
 
 
 def test_embeddings():

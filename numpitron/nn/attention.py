@@ -29,14 +29,18 @@ KV_TAG, GRAD_TAG = 10, 20
 
 
 class ParallelAttention(Layer):
-    def __init__(self, name: str, d_model: int, n_heads: int, topo, out_std: float):
+    def __init__(self, name: str, d_model: int, n_heads: int, topo, out_std: float, region=None,
+                 keep_probs: bool = True):
         self.local_heads = n_heads // topo.tp
         self.head_dim = d_model // n_heads
         self.scale = 1.0 / np.sqrt(self.head_dim)
         self.cp, self.cp_rank = topo.cp_comm, topo.cp_comm.rank
         self.chunks = zigzag_chunks          # which positions each cp rank holds
-        self.qkv = ColumnParallelLinear(f"{name}.qkv", d_model, d_model, topo, groups=3)
-        self.proj = RowParallelLinear(f"{name}.proj", d_model, d_model, topo, std=out_std)
+        # False: selective recomputation (Korthikanti et al. 2022, §5): the softmax
+        # probabilities are not kept but recomputed, block by block, in the backward.
+        self.keep_probs = keep_probs
+        self.qkv = ColumnParallelLinear(f"{name}.qkv", d_model, d_model, topo, groups=3, region=region)
+        self.proj = RowParallelLinear(f"{name}.proj", d_model, d_model, topo, std=out_std, region=region)
 
     def parameters(self):
         return self.qkv.parameters() + self.proj.parameters()
@@ -49,9 +53,10 @@ class ParallelAttention(Layer):
         return q, k, v
 
     def forward(self, x, kv=None):
-        # x: (B, T/cp, C) -> y: (B, T/cp, C); kv: this layer's KVCache slot while generating
-        B, T, _ = x.shape
+        # x: (B, T/cp, C) (/tp more with sequence parallelism) -> y: the same shape;
+        # kv: this layer's KVCache slot while generating
         qkv, qkv_cache = self.qkv.forward(x)
+        B, T, _ = qkv.shape                              # the whole (local) sequence
         q, k, v = self._split_heads(qkv)
         q *= self.scale                                  # cheaper on (T, hd) than on (T, T)
         state = AttentionState(q)
@@ -62,6 +67,8 @@ class ParallelAttention(Layer):
             saved = self._ring_forward(q, k, v, state)
         merged = state.out.transpose(0, 2, 1, 3).reshape(B, T, -1)
         state.out = None             # the output projection keeps the merged copy
+        if not self.keep_probs:
+            saved = [[(qc, end, None, lse) for qc, end, _, lse in step] for step in saved]
         y, proj_cache = self.proj.forward(merged)
         return y, {"qkv": qkv_cache, "q": q, "k": k, "v": v, "state": state, "saved": saved, "proj": proj_cache}
 
@@ -93,6 +100,10 @@ class ParallelAttention(Layer):
         for step, saved in enumerate(cache["saved"]):
             if step + 1 < len(cache["saved"]):
                 incoming, pending = self.cp.ring_pass(block, KV_TAG)
+            if not self.keep_probs:                      # recompute this block's probabilities
+                owner = (self.cp_rank - step) % self.cp.size
+                saved = attend_block(q, self.chunks(T, self.cp.size, self.cp_rank), *block,
+                                     self.chunks(T, self.cp.size, owner), AttentionState(q))
             attend_block_backward(saved, q, *block, dout, d_rowsum, state, dq, *grads, dq_written,
                                   block_grads_fresh=step == 0)
             # The block's gradients travel with it; after the last step, home to its owner.

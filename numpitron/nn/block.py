@@ -9,13 +9,14 @@ from numpitron.nn.mlp import ParallelMLP
 
 
 class Block(Layer):
-    def __init__(self, name: str, d_model: int, n_heads: int, n_layers: int, topo):
+    def __init__(self, name: str, d_model: int, n_heads: int, n_layers: int, topo, region=None,
+                 keep_probs: bool = True):
         # GPT-2: residual output projections scaled by 1/sqrt(2 * n_layers)
         out_std = 0.02 / math.sqrt(2 * n_layers)
         self.ln1 = LayerNorm(f"{name}.ln1", d_model)
-        self.attn = ParallelAttention(f"{name}.attn", d_model, n_heads, topo, out_std)
+        self.attn = ParallelAttention(f"{name}.attn", d_model, n_heads, topo, out_std, region, keep_probs)
         self.ln2 = LayerNorm(f"{name}.ln2", d_model)
-        self.mlp = ParallelMLP(f"{name}.mlp", d_model, topo, out_std)
+        self.mlp = ParallelMLP(f"{name}.mlp", d_model, topo, out_std, region)
 
     def parameters(self):
         return self.ln1.parameters() + self.attn.parameters() + self.ln2.parameters() + self.mlp.parameters()

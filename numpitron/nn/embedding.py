@@ -13,6 +13,7 @@ import numpy as np
 from numpitron.distributed.sharding import pad_to_multiple, shard_bounds
 from numpitron.nn.layer import Layer, rows
 from numpitron.nn.param import Param
+from numpitron.nn.regions import ReplicatedRegion
 
 
 class VocabShard:
@@ -38,8 +39,8 @@ class VocabShard:
 
 
 class VocabParallelEmbedding(Layer):
-    def __init__(self, name: str, vocab_size: int, d_model: int, topo, in_norm: bool = True):
-        self.tp = topo.tp_comm
+    def __init__(self, name: str, vocab_size: int, d_model: int, topo, in_norm: bool = True, region=None):
+        self.region = region or ReplicatedRegion(topo.tp_comm)
         self.shard = VocabShard(vocab_size, topo.tp, topo.tp_rank)
         self.weight = Param(f"{name}.weight", (self.shard.padded_size, d_model), split_axis=0,
                             logical_shape=(vocab_size, d_model), in_norm=in_norm,
@@ -49,11 +50,11 @@ class VocabParallelEmbedding(Layer):
         return [self.weight]
 
     def forward(self, ids):
-        # ids: (B, T) token ids -> (B, T, C), replicated over tp
+        # ids: (B, T) token ids -> (B, T, C) replicated over tp, or sequence-parallel (B, T/tp, C)
         local, owned = self.shard.local_rows(ids)
         x = self.weight.data[local]
         x *= owned[..., None]        # rows other ranks own contribute zero here...
-        self.tp.all_reduce(x)        # ...and theirs arrive in this sum
+        x = self.region.reduce(x)    # ...and theirs arrive in this sum (all-reduce or reduce-scatter)
         return x, {"rows": local.reshape(-1), "owned": owned.reshape(-1)}
 
     def backward_input(self, dx, cache):
@@ -65,7 +66,8 @@ class VocabParallelEmbedding(Layer):
         # dx, one BLAS call (4x faster here than the scatter-add np.add.at).
         local_vocab = self.weight.data.shape[0]
         onehot = (np.arange(local_vocab)[:, None] == cache["rows"]) & cache["owned"]
-        self.weight.grad += onehot.astype(self.weight.grad.dtype) @ rows(cache["dy"])
+        dy = self.region.output_grad(cache["dy"])     # every token's gradient, whole
+        self.weight.grad += onehot.astype(self.weight.grad.dtype) @ rows(dy)
 
 
 class PositionEmbedding(Layer):
@@ -78,10 +80,9 @@ class PositionEmbedding(Layer):
         return [self.weight]
 
     def forward(self, ids, positions):
-        # ids: (B, T) -> (B, T, C): the rows of `positions` (T,), broadcast over B
-        B, T = ids.shape
+        # ids: (B, T) -> (B, len(positions), C): the rows of `positions`, broadcast over B
         table = self.weight.data[positions]
-        return np.broadcast_to(table, (B, T, table.shape[1])), {"positions": positions}
+        return np.broadcast_to(table, (ids.shape[0],) + table.shape), {"positions": positions}
 
     def backward_input(self, dx, cache):
         cache["dy"] = dx
@@ -100,7 +101,8 @@ class Embeddings(Layer):
     while generating, the positions after those already in the key/value cache."""
 
     def __init__(self, token: VocabParallelEmbedding, position: PositionEmbedding, positions: np.ndarray):
-        self.token, self.position, self.positions = token, position, positions
+        # With sequence parallelism this rank adds positions only to its own tokens.
+        self.token, self.position, self.positions = token, position, token.region.local(positions)
 
     def parameters(self):
         return self.token.parameters() + self.position.parameters()

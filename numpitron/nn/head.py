@@ -12,21 +12,21 @@ class TiedLMHead(Layer):
 
     def __init__(self, embedding):
         self.embedding = embedding
-        self.tp = embedding.tp
+        self.region = embedding.region
 
     def forward(self, h):
-        # h: (B, T, C) -> (B, T, V / tp)
-        logits = rows(h) @ self.embedding.weight.data.T
-        return logits.reshape(*h.shape[:-1], -1), {"h": h}
+        # h: (B, T, C) (or (B, T/tp, C) sequence-parallel) -> (B, T, V / tp)
+        full = self.region.gather(h)
+        logits = rows(full) @ self.embedding.weight.data.T
+        return logits.reshape(*full.shape[:-1], -1), {"h": h}
 
     def backward_input(self, dlogits, cache):
         cache["dy"] = dlogits
         dh = rows(dlogits) @ self.embedding.weight.data   # this vocabulary slice's share of dL/dh
-        self.tp.all_reduce(dh)                            # "f": sum the shares over tp
-        return dh.reshape(cache["h"].shape)
+        return self.region.input_grad(dh.reshape(dlogits.shape[:-1] + (-1,)))   # "f": sum the shares over tp
 
     def backward_weights(self, cache):
-        self.embedding.weight.grad += rows(cache["dy"]).T @ rows(cache["h"])
+        self.embedding.weight.grad += rows(cache["dy"]).T @ rows(self.region.gather(cache["h"]))
 
 
 class LanguageModelHead(Layer):

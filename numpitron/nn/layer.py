@@ -56,6 +56,8 @@ def cache_nbytes(cache) -> int:
             stack.extend(item.values())
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
+        elif hasattr(item, "__dict__"):             # a small state object (attention's running softmax)
+            stack.extend(vars(item).values())
         elif isinstance(item, np.ndarray):
             base = item
             while isinstance(base.base, np.ndarray):

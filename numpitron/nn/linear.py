@@ -1,19 +1,21 @@
 """Megatron's tensor-parallel linear layers (Shoeybi et al. 2019, §3, Fig. 3).
 
 A column-parallel layer splits its weight along the output dimension: each rank
-computes its own slice of the output from the full, replicated input. Its backward
-must sum the input gradient over ranks: that all-reduce is Megatron's "f".
+computes its own slice of the output from the full input. Its backward must sum the
+input gradient over ranks: that all-reduce is Megatron's "f".
 
 A row-parallel layer splits its weight along the input dimension: each rank holds a
 slice of the input and produces a partial sum of the output, which is all-reduced
 in forward: Megatron's "g". Its bias is replicated and added once, after the sum.
 
 Put together (column then row), an MLP or an attention layer costs one all-reduce
-forward and one backward.
+forward and one backward. With sequence parallelism the same two points become an
+all-gather and a reduce-scatter each (nn/regions.py decides which; the layers ask it).
 """
 
 from numpitron.nn.layer import Layer, rows
 from numpitron.nn.param import Param
+from numpitron.nn.regions import ReplicatedRegion
 
 
 class ColumnParallelLinear(Layer):
@@ -24,8 +26,9 @@ class ColumnParallelLinear(Layer):
     and v of its own heads. The weight's logical shape is then (in, groups, out).
     """
 
-    def __init__(self, name: str, in_features: int, out_features: int, topo, groups: int = 1, std: float = 0.02):
-        self.tp = topo.tp_comm
+    def __init__(self, name: str, in_features: int, out_features: int, topo, groups: int = 1, std: float = 0.02,
+                 region=None):
+        self.region = region or ReplicatedRegion(topo.tp_comm)
         shape = (in_features, groups, out_features) if groups > 1 else (in_features, out_features)
         bias_shape = (groups, out_features) if groups > 1 else (out_features,)
         tp = dict(tp_rank=topo.tp_rank, tp_size=topo.tp)
@@ -39,28 +42,31 @@ class ColumnParallelLinear(Layer):
         return self.weight.data.reshape(self.weight.local_shape[0], -1)
 
     def forward(self, x):
-        # x: (B, T, in) replicated over tp -> y: (B, T, out / tp)
-        y = rows(x) @ self._w()
+        # x: (B, T, in) (or (B, T/tp, in) sequence-parallel) -> y: (B, T, out / tp)
+        full = self.region.gather(x)   # identity, or the all-gather along the sequence
+        y = rows(full) @ self._w()
         y += self.bias.data.reshape(-1)
-        return y.reshape(*x.shape[:-1], -1), {"x": x}
+        # Keep x as it came: sequence-parallel, that is 1/tp of the input (gathered
+        # again for the weight gradient).
+        return y.reshape(*full.shape[:-1], -1), {"x": x}
 
     def backward_input(self, dy, cache):
         cache["dy"] = dy
-        dx = rows(dy) @ self._w().T    # this rank's share of dL/dx
-        self.tp.all_reduce(dx)         # Megatron's "f" in backward: sum the shares over tp
-        return dx.reshape(cache["x"].shape)
+        dx = (rows(dy) @ self._w().T).reshape(dy.shape[:-1] + (-1,))    # this rank's share of dL/dx
+        return self.region.input_grad(dx)   # Megatron's "f" (all-reduce) or reduce-scatter
 
     def backward_weights(self, cache):
         dy = rows(cache["dy"])
-        self.weight.grad.reshape(-1, dy.shape[1])[...] += rows(cache["x"]).T @ dy
+        x = rows(self.region.gather(cache["x"]))
+        self.weight.grad.reshape(-1, dy.shape[1])[...] += x.T @ dy
         self.bias.grad.reshape(-1)[...] += dy.sum(axis=0)
 
 
 class RowParallelLinear(Layer):
     """y = sum over tp of x[..., local inputs] @ W[local inputs, :], then + b."""
 
-    def __init__(self, name: str, in_features: int, out_features: int, topo, std: float = 0.02):
-        self.tp = topo.tp_comm
+    def __init__(self, name: str, in_features: int, out_features: int, topo, std: float = 0.02, region=None):
+        self.region = region or ReplicatedRegion(topo.tp_comm)
         tp = dict(tp_rank=topo.tp_rank, tp_size=topo.tp)
         self.weight = Param(f"{name}.weight", (in_features, out_features), split_axis=0, std=std, **tp)
         self.bias = Param(f"{name}.bias", (out_features,), init="zeros", decay=False, **tp)
@@ -69,17 +75,20 @@ class RowParallelLinear(Layer):
         return [self.weight, self.bias]
 
     def forward(self, x):
-        # x: (B, T, in / tp) -> y: (B, T, out) replicated over tp
-        y = rows(x) @ self.weight.data   # partial sum over this rank's inputs
-        self.tp.all_reduce(y)            # Megatron's "g" in forward: sum the partials over tp
+        # x: (B, T, in / tp) -> y: (B, T, out) (or (B, T/tp, out) sequence-parallel)
+        y = (rows(x) @ self.weight.data).reshape(*x.shape[:-1], -1)   # partial sum over this rank's inputs
+        y = self.region.reduce(y)        # Megatron's "g" (all-reduce) or reduce-scatter
         y += self.bias.data              # once, after the sum
-        return y.reshape(*x.shape[:-1], -1), {"x": x}
+        return y, {"x": x}
 
     def backward_input(self, dy, cache):
-        cache["dy"] = dy                 # no communication: dy is replicated over tp
-        return (rows(dy) @ self.weight.data.T).reshape(cache["x"].shape)
+        cache["dy"] = dy                 # this rank's tokens (all of them unless sequence-parallel)
+        full = self.region.output_grad(dy)      # identity, or the all-gather along the sequence
+        cache["dy_full"] = full
+        return (rows(full) @ self.weight.data.T).reshape(cache["x"].shape)
 
     def backward_weights(self, cache):
-        dy = rows(cache["dy"])
-        self.weight.grad += rows(cache["x"]).T @ dy
-        self.bias.grad += dy.sum(axis=0)
+        self.weight.grad += rows(cache["x"]).T @ rows(cache["dy_full"])
+        # The bias met only this rank's tokens: under sequence parallelism a partial
+        # sum, completed over tp in GPTStage.finalize_grads.
+        self.bias.grad += rows(cache["dy"]).sum(axis=0)

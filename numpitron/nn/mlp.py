@@ -10,9 +10,9 @@ from numpitron.nn.linear import ColumnParallelLinear, RowParallelLinear
 
 
 class ParallelMLP(Layer):
-    def __init__(self, name: str, d_model: int, topo, out_std: float):
-        self.fc = ColumnParallelLinear(f"{name}.fc", d_model, 4 * d_model, topo)
-        self.proj = RowParallelLinear(f"{name}.proj", 4 * d_model, d_model, topo, std=out_std)
+    def __init__(self, name: str, d_model: int, topo, out_std: float, region=None):
+        self.fc = ColumnParallelLinear(f"{name}.fc", d_model, 4 * d_model, topo, region=region)
+        self.proj = RowParallelLinear(f"{name}.proj", 4 * d_model, d_model, topo, std=out_std, region=region)
 
     def parameters(self):
         return self.fc.parameters() + self.proj.parameters()

@@ -1,0 +1,30 @@
+"""Activation recomputation (Chen et al. 2016; Korthikanti et al. 2022, §5): a layer
+that keeps only its input and runs its forward again when the backward needs it.
+
+No layer knows about this: the wrapper follows the same contract. Its forward keeps
+the input and drops everything the inner layer would have kept; its input half of the
+backward reruns the inner forward (with its collectives: a tensor-parallel layer
+all-reduces again), then the inner input half; its weight half is the inner one's,
+on the recomputed cache, which it then lets go.
+"""
+
+from numpitron.nn.layer import Layer
+
+
+class Recomputed(Layer):
+    def __init__(self, inner: Layer):
+        self.inner = inner
+
+    def parameters(self):
+        return self.inner.parameters()
+
+    def forward(self, x, **context):
+        y, _ = self.inner.forward(x, **context)
+        return y, {"x": x, "context": context}
+
+    def backward_input(self, dy, cache):
+        _, cache["inner"] = self.inner.forward(cache["x"], **cache["context"])
+        return self.inner.backward_input(dy, cache["inner"])
+
+    def backward_weights(self, cache):
+        self.inner.backward_weights(cache.pop("inner"))
