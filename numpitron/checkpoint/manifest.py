@@ -12,11 +12,11 @@ size and CRC-32, and every reader checks all four before trusting a byte of it.
 import json
 import os
 import re
-import zlib
 from pathlib import Path
 
 import numpy as np
 
+from numpitron.checksum import file_crc32 as file_checksum
 from numpitron.errors import UserError
 
 FORMAT_VERSION = 1
@@ -26,7 +26,6 @@ TMP_PREFIX = ".tmp-"                 # anything named so in ROOT is a leftover o
 KINDS = ("params", "adam_m", "adam_v")
 REQUIRED_KEYS = ("format_version", "model_config", "iteration", "adam_step", "tensors")
 _ITER_DIR = re.compile(r"^iter_(\d+)$")
-_CHUNK = 1 << 20
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -56,15 +55,6 @@ def is_complete(path: Path) -> bool:
 
 def tensor_relpath(kind: str, name: str) -> str:
     return f"{kind}/{name}.npy"
-
-
-def file_checksum(path: Path) -> str:
-    """CRC-32 of a file's bytes as hex, read in chunks so large tensors never sit in memory twice."""
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
 
 
 def describe_tensor_file(path: Path, array: np.ndarray) -> dict:

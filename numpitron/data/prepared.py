@@ -9,25 +9,16 @@ lengths only.)
 """
 
 import json
-import zlib
 from pathlib import Path
 
 import numpy as np
 
+from numpitron.checksum import file_crc32
 from numpitron.data.batches import load_tokens
 from numpitron.data.tokenizer import CharTokenizer
 from numpitron.errors import UserError
 
 RECORD_NAME = "prepared.json"
-_CHUNK = 1 << 20
-
-
-def file_crc32(path: Path) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
 
 
 def write_record(path: Path, files: list, vocab_size: int) -> None:
