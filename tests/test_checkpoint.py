@@ -13,7 +13,7 @@ import pytest
 from numpitron.checkpoint import (export_npz, import_npz, latest_checkpoint, load_checkpoint,
                                   load_model_weights, read_manifest, save_checkpoint)
 from numpitron.checkpoint.manifest import file_checksum
-from numpitron.config import ModelConfig, TrainConfig
+from numpitron.config import TrainConfig
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
 from numpitron.model import GPTStage

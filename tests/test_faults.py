@@ -5,7 +5,6 @@ byte for byte as they were."""
 
 import hashlib
 import json
-import os
 import random
 import signal
 import subprocess

@@ -9,13 +9,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 from mpi4py import MPI
 
 from numpitron.checkpoint import load_checkpoint, save_checkpoint
 from numpitron.distributed.topology import Topology
-from tests.harness import make_trainer, serial_reference, train_steps, tiny_model, tiny_tokens, tiny_train
+from tests.harness import make_trainer, serial_reference, train_steps, tiny_model, tiny_train
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
 TARGETS = [dict(), dict(tensor=2), dict(pipeline=2), dict(data=2, zero_stage=1), dict(tensor=2, data=2)]

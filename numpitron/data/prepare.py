@@ -12,7 +12,6 @@ import sys
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 
 from numpitron.data.prepared import RECORD_NAME, write_record
 from numpitron.data.tokenizer import CharTokenizer
