@@ -17,6 +17,8 @@ from numpitron.runtime import configure_process  # noqa: E402
 
 configure_process(sys.argv)
 
+from numpitron.parallel.pipeline import bubble_fraction  # noqa: E402
+
 COLORS = {"F": "#4c78a8", "B": "#f58518"}
 ROW_H, LEFT, WIDTH = 26, 70, 900
 
@@ -58,7 +60,7 @@ def draw(panels, microbatches: int) -> str:
         top = p * panel_h + 20
         busy = [sum(e - s for _, _, s, e in events) for events, _, _ in per_stage]
         bubble = 1 - sum(busy) / sum(wall for _, wall, _ in per_stage)
-        formula = (stages - 1) / (microbatches + stages - 1)
+        formula = bubble_fraction(stages, microbatches)
         svg.append(f'<text x="{LEFT}" y="{top}" font-weight="bold">{title}: measured bubble '
                    f'{bubble:.1%}, formula (P-1)/(m+P-1) = {formula:.1%}; peak in flight per stage '
                    f'{[peak for _, _, peak in per_stage]}</text>')
