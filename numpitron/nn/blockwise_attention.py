@@ -44,7 +44,7 @@ class AttentionState:
     and how many groups each query chunk has folded in."""
 
     def __init__(self, q):
-        self.out = np.zeros_like(q)
+        self.out = np.empty_like(q)     # every query row is written by its first group
         self.lse = np.full(q.shape[:-1] + (1,), -np.inf, q.dtype)
         self.groups = {}
 
@@ -64,12 +64,12 @@ def attend_block(q, q_chunks, k, v, k_chunks, state: AttentionState) -> list:
         if mask is not None:
             probs += mask
         lse = softmax_lastdim_with_lse_(probs)
-        out = probs @ v[:, :, :end]
         seen = state.groups.get(qc, 0)
-        if seen == 0:
-            state.out[:, :, rows] = out
+        if seen == 0:                               # the first group of these queries: write in place
+            np.matmul(probs, v[:, :, :end], out=state.out[:, :, rows])
             state.lse[:, :, rows] = lse
         else:
+            out = probs @ v[:, :, :end]
             old = state.lse[:, :, rows]
             new = np.logaddexp(old, lse)
             state.out[:, :, rows] *= np.exp(old - new)
