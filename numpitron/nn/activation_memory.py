@@ -18,19 +18,29 @@ block's input, n C.
 """
 
 
-def attention_area(T: int) -> int:
-    """Score entries per head for a sequence in two chunks (c = T // 2): the first
-    chunk's queries see c keys, the second's all T (parallel/context.py, cp = 1)."""
+def attention_area(T: int, cp: int = 1) -> int:
+    """Score entries per head a rank keeps for its local sequence of T tokens in two
+    chunks of c = T // 2 (parallel/context.py). With cp = 1 the first chunk's queries
+    see c keys, the second's all T; around a ring of cp ranks every rank computes
+    2cp + 1 chunk pairs of c x c."""
     c = T // 2
-    return c * c + (T - c) * T
+    return c * c + (T - c) * T if cp == 1 else (2 * cp + 1) * c * c
+
+
+def lse_rows(T: int, cp: int = 1, cp_rank: int = 0) -> int:
+    """Rows of log-sum-exp kept per head: the running one (T) and one per softmax group
+    (the two chunks once each with cp = 1; around a ring, rank r's late chunk meets cp
+    groups and its early chunk r + 1)."""
+    c = T // 2
+    return T + (T if cp == 1 else (cp + cp_rank + 1) * c)
 
 
 def block_activation_bytes(B: int, T: int, C: int, H: int, tp: int = 1, sequence_parallel: bool = False,
-                           recompute: str = "none", itemsize: int = 8) -> int:
+                           recompute: str = "none", itemsize: int = 8, cp: int = 1, cp_rank: int = 0) -> int:
     n = B * T // tp if sequence_parallel else B * T
     if recompute == "full":
         return itemsize * n * C
-    elements = 4 * n * C + 2 * n + (3 + 1 + 12) * B * T * C // tp + 2 * B * T * H // tp
+    elements = 4 * n * C + 2 * n + (3 + 1 + 12) * B * T * C // tp + B * H * lse_rows(T, cp, cp_rank) // tp
     if recompute != "selective":
-        elements += B * H * attention_area(T) // tp
+        elements += B * H * attention_area(T, cp) // tp
     return itemsize * elements

@@ -1,0 +1,120 @@
+"""python -m numpitron.plan: memory, bytes, FLOPs and time of one training iteration of
+any model on any mesh, per pipeline stage, before launching it.
+
+    python -m numpitron.plan --tensor-parallel-size 2 --data-parallel-size 2
+    python -m numpitron.plan --n-layers 24 --d-model 2304 --n-heads 24 --seq-len 2048 --vocab-size 51200 \\
+        --micro-batch-size 1 --global-batch-size 512 --data-parallel-size 32 --device a100-80gb-node
+    python -m numpitron.plan --search --devices 4
+
+The flags are the training script's (numpitron/cli.py), plus --vocab-size, --device,
+--json, --search and --devices; a layout that cannot work gets the line training would
+give, from the same checks.
+"""
+
+import json
+import sys
+from dataclasses import replace
+
+from numpitron.cli import configs_from_args, training_parser
+from numpitron.config import check_layout
+from numpitron.distributed.topology import resolve_mesh
+from numpitron.errors import UserError
+from numpitron.plan.devices import load_device
+from numpitron.plan.predict import plan
+
+
+def parser():
+    p = training_parser("Plan a run: memory, communication, FLOPs and time per rank.")
+    g = p.add_argument_group("planning")
+    g.add_argument("--vocab-size", type=int, default=65, help="65: Tiny Shakespeare's characters")
+    g.add_argument("--device", default="this-machine", help="a profile: this-machine, a100-80gb-node, h100-80gb-node")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--search", action="store_true", help="rank every layout of --devices devices")
+    g.add_argument("--devices", type=int, default=None, help="world size (default: the mesh flags' product)")
+    return p
+
+
+def layout_of(args, world: int, model, parallel, train):
+    mesh = resolve_mesh(world, args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size,
+                        args.context_parallel_size)
+    check_layout(model, train, mesh, parallel)
+    return tuple(mesh)
+
+
+def search(args, model, parallel, train, device) -> tuple[list, list]:
+    fits, rejected = [], []
+    for tp in range(1, args.devices + 1):
+        for pp in range(1, args.devices // tp + 1):
+            for cp in (c for c in range(1, args.devices // (tp * pp) + 1) if args.devices % (tp * pp * c) == 0):
+                if args.devices % (tp * pp):
+                    continue
+                trial = replace_args(args, tp, pp, cp)
+                label = f"tp={tp} pp={pp} cp={cp} dp={args.devices // (tp * pp * cp)}"
+                try:
+                    result = plan(model, parallel, train, layout_of(trial, args.devices, model, parallel, train), device)
+                except UserError as error:
+                    rejected.append((label, str(error)))
+                    continue
+                (fits if result["fits"] else rejected).append(
+                    (label, result) if result["fits"] else (label, "does not fit in the device's memory"))
+    fits.sort(key=lambda item: -item[1]["tokens_per_s"])        # the global batch may differ: compare throughput
+    return fits, rejected
+
+
+def replace_args(args, tp, pp, cp):
+    trial = type(args)(**vars(args))
+    trial.tensor_parallel_size, trial.pipeline_parallel_size, trial.context_parallel_size = tp, pp, cp
+    trial.data_parallel_size = None
+    return trial
+
+
+def report(result: dict) -> str:
+    mesh = result["mesh"]
+    lines = [f"mesh tp={mesh['tp']} pp={mesh['pp']} dp={mesh['dp']} cp={mesh['cp']} ({mesh['devices']} devices), "
+             f"{result['microbatches']} micro-batches, bubble {result['bubble']:.1%}",
+             f"model FLOPs per iteration {result['model_flops_per_iteration']:.3e} "
+             f"(executed {result['hardware_flops_per_iteration']:.3e})",
+             f"predicted step {1e3 * result['step_s']:.1f} ms, {result['tokens_per_s']:,.0f} tokens/s, "
+             f"MFU {result['mfu']:.1%}, fits: {result['fits']}"]
+    for s in result["stages"]:
+        t = s["time_s"]
+        lines.append(f"  stage {s['stage']}: params {s['params'] / 2**20:.1f} MiB, grads {s['grads'] / 2**20:.1f} MiB, "
+                     f"optimizer {s['optimizer_state'] / 2**20:.1f} MiB, activations {s['activations_peak'] / 2**20:.1f} MiB"
+                     f" (peak total {s['total_peak'] / 2**20:.1f} MiB)")
+        lines.append("    bytes per iteration: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in s["comm_bytes"].items()))
+        lines.append(f"    time: matmul {1e3 * t['matmul']:.1f} ms, element-wise {1e3 * t['elementwise']:.1f} ms, "
+                     f"exposed communication {1e3 * t['exposed_comm']:.2f} ms, optimizer {1e3 * t['optimizer']:.2f} ms")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    model, parallel, train = configs_from_args(args)
+    model = replace(model, vocab_size=args.vocab_size).validate()
+    device = load_device(args.device)
+    if args.search:
+        if not args.devices or args.devices < 1:
+            raise UserError("--search needs --devices N")
+        fits, rejected = search(args, model, parallel, train, device)
+        if args.json:
+            print(json.dumps({"fits": [r for _, r in fits], "rejected": rejected}))
+            return 0
+        for label, result in fits:
+            print(f"{label}: {result['tokens_per_s']:,.0f} tokens/s, {1e3 * result['step_s']:.1f} ms, MFU {result['mfu']:.1%}, "
+                  f"peak {max(s['total_peak'] for s in result['stages']) / 2**20:.1f} MiB per rank")
+        for label, reason in rejected:
+            print(f"{label}: rejected: {reason}")
+        return 0
+    world = args.devices or (args.tensor_parallel_size * args.pipeline_parallel_size * args.context_parallel_size
+                             * (args.data_parallel_size or 1))
+    result = plan(model, parallel, train, layout_of(args, world, model, parallel, train), device)
+    print(json.dumps(result) if args.json else report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)

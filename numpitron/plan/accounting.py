@@ -1,0 +1,144 @@
+"""Bytes a rank stores and moves in one training iteration, computed from the configs
+and the mesh alone: one function per quantity, each term named after the strategy
+that adds it. Tests compare every figure with what a real run counts (`ParamStore`,
+the optimizer, `CommStats`, `PipelineStats.peak_activation_bytes`), to the byte.
+
+A rank is described by its stage (pp_rank) and cp_rank; tp, dp ranks do not change
+these figures.
+"""
+
+from dataclasses import dataclass
+
+from numpitron.distributed.sharding import pad_to_multiple
+from numpitron.nn.activation_memory import block_activation_bytes
+
+F64 = 8          # the loss and the squared gradient norm travel as one float64
+
+
+@dataclass(frozen=True)
+class Rank:
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    stage: int = 0
+    cp_rank: int = 0
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.pp - 1
+
+
+def _all_reduce(nbytes: float, k: int) -> float:
+    return 2 * (k - 1) / k * nbytes
+
+
+def _half(nbytes: float, k: int) -> float:
+    """An all-gather or a reduce-scatter of a full buffer of nbytes over k ranks."""
+    return (k - 1) / k * nbytes
+
+
+def parameter_elements(model, rank: Rank) -> tuple[int, int]:
+    """(elements of this rank's slice of its stage, of which tp-replicated)."""
+    C, k = model.d_model, rank.tp
+    per_block = 2 * C + (3 * C * C + 3 * C) // k + (C * C) // k + C + 2 * C + (4 * C * C + 4 * C) // k + 4 * C * C // k + C
+    replicated_block = 2 * C + C + 2 * C + C
+    layers = model.n_layers // rank.pp
+    total, replicated = layers * per_block, layers * replicated_block
+    if rank.first or rank.last:
+        total += pad_to_multiple(model.vocab_size, k) // k * C
+    if rank.first:
+        total += model.seq_len * C
+        replicated += model.seq_len * C
+    if rank.last:
+        total += 2 * C
+        replicated += 2 * C
+    return total, replicated
+
+
+def state_bytes(model, parallel, rank: Rank) -> dict:
+    """Parameters, gradients and Adam's moments on this rank (ZeRO-1 pads the flat
+    buffer to a multiple of dp x cp and keeps 1/(dp x cp) of the moments)."""
+    item, group = (8 if model.dtype == "float64" else 4), rank.dp * rank.cp
+    size = parameter_elements(model, rank)[0]
+    moments = 2 * size
+    if parallel.zero_stage == 1:
+        size = pad_to_multiple(size, group)
+        moments = 2 * size // group
+    return {"params": size * item, "grads": size * item, "optimizer_state": moments * item}
+
+
+def activation_bytes_per_microbatch(model, parallel, train, rank: Rank) -> int:
+    """What one micro-batch's caches keep on this stage (docs/09 and docs/13 derive it)."""
+    item, k = (8 if model.dtype == "float64" else 4), rank.tp
+    B, T, C = train.micro_batch_size, model.seq_len // rank.cp, model.d_model
+    tokens, split = B * T, (k if parallel.sequence_parallel else 1)
+    total = (model.n_layers // rank.pp) * block_activation_bytes(
+        B, T, C, model.n_heads, k, parallel.sequence_parallel, parallel.recompute, item, rank.cp, rank.cp_rank)
+    if rank.first:                   # token rows (int64), owned mask (bool), the positions (int64)
+        total += 9 * tokens + 8 * T
+    if rank.last:                    # ln_f (x-hat, 1/std), the head's input, the loss's probabilities
+        n = tokens // split
+        total += item * (2 * n * C + n + tokens * pad_to_multiple(model.vocab_size, k) // k) + 9 * tokens
+    return total
+
+
+def peak_activation_bytes(model, parallel, train, rank: Rank) -> int:
+    m = train.num_microbatches(rank.dp)
+    in_flight = m if parallel.schedule == "gpipe" else min(rank.pp - rank.stage, m)
+    return in_flight * activation_bytes_per_microbatch(model, parallel, train, rank)
+
+
+def comm_bytes(model, parallel, train, rank: Rank) -> dict:
+    """{"<group>.<kind>": bytes} this rank moves in one training iteration."""
+    item, k, K, P = (8 if model.dtype == "float64" else 4), rank.tp, rank.cp, rank.pp
+    m, B, C, L = train.num_microbatches(rank.dp), train.micro_batch_size, model.d_model, model.n_layers // P
+    T = model.seq_len // K
+    act, sp, full = B * T * C * item, parallel.sequence_parallel, parallel.recompute == "full"
+    out = {}
+
+    def add(key, nbytes):
+        if nbytes:
+            out[key] = out.get(key, 0.0) + nbytes
+    if k > 1:                        # per micro-batch, then times m
+        if sp:       # gathers and reduce-scatters along the sequence (nn/regions.py)
+            gathers = L * (6 + 2 * full) + (1 if rank.first else 0) + (2 if rank.last else 0)
+            scatters = L * (4 + 2 * full) + (1 if rank.first else 0) + (1 if rank.last else 0)
+            add("tp.all_gather", m * gathers * _half(act, k))
+            add("tp.reduce_scatter", m * scatters * _half(act, k))
+            add("tp.all_reduce", _all_reduce(parameter_elements(model, rank)[1] * item, k))
+        else:        # Megatron's f and g: all-reduces
+            reduces = L * (4 + 2 * full) + (1 if rank.first else 0) + (1 if rank.last else 0)
+            add("tp.all_reduce", m * reduces * _all_reduce(act, k))
+        if rank.last:                # the loss: row max, target logit, sum of exponentials
+            add("tp.all_reduce", m * 3 * _all_reduce(B * T * item, k))
+    if K > 1:                        # the ring: K, V forward; K, V and dK, dV backward
+        block = act // k
+        sends = m * L * (2 * (K - 1) * (2 + full) + 2 * K) * block
+        add("cp.send", sends)
+        add("cp.recv", sends)
+    if P > 1:
+        hop = B * (T // (k if sp else 1)) * C * item
+        add("pp.send", m * hop * ((rank.stage < P - 1) + (rank.stage > 0)))
+        add("pp.recv", m * hop * ((rank.stage < P - 1) + (rank.stage > 0)))
+        add("pp.broadcast", F64)     # the loss, from the last stage
+        if rank.first or rank.last:  # the tied embedding's two copies
+            add("embedding.all_reduce", _all_reduce(pad_to_multiple(model.vocab_size, k) // k * C * item, 2))
+    group, size = rank.dp * K, state_bytes(model, parallel, rank)["grads"]
+    if group > 1:
+        if parallel.zero_stage == 1:
+            add("dp_cp.reduce_scatter", _half(size, group))
+            add("dp_cp.all_gather", _half(size, group))
+        else:
+            add("dp_cp.all_reduce", _all_reduce(size, group))
+        add("dp_cp.all_reduce", _all_reduce(F64, group))          # the loss
+    world = k * K * P * rank.dp
+    if parallel.zero_stage == 1:
+        add("world.all_reduce", _all_reduce(F64, world) if world > 1 else 0)
+    elif k * P > 1:
+        add("model.all_reduce", _all_reduce(F64, k * P))            # the gradient norm
+    return out
