@@ -8,7 +8,7 @@ RUN := PATH="$(BIN):$$PATH"
 NP ?= 1
 TRAIN_ARGS ?=
 
-.PHONY: install train test bench clean
+.PHONY: install train test bench figures clean
 
 install: $(VENV)/.installed
 
@@ -27,6 +27,10 @@ test: install
 
 bench: install
 	$(RUN) python benchmarks/benchmark.py
+
+figures: install    # every figure of the book, from real runs here (docs/figures/)
+	$(BIN)/python -m pip install --quiet -e ".[docs]"
+	$(RUN) python benchmarks/figures.py
 
 clean:
 	rm -rf $(VENV) out

@@ -1,0 +1,172 @@
+"""Every figure of the book, from real runs on this machine: `make figures`.
+
+    pip install -e ".[docs]"         # matplotlib
+    python benchmarks/figures.py [--data-dir data] [--quick]
+
+Writes docs/figures/*.svg and docs/figures/figures.json (the numbers behind them). Each
+figure names the command that made it and the machine it ran on. --quick runs fewer
+iterations (for trying the script; the committed figures are full runs).
+"""
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+FIGURES = REPO / "docs" / "figures"
+LAYOUTS = [("one process", 1, []), ("dp = 2", 2, ["--data-parallel-size", "2"]),
+           ("tp = 2", 2, ["--tensor-parallel-size", "2"]),
+           ("pp = 2", 2, ["--pipeline-parallel-size", "2"]),
+           ("cp = 2", 2, ["--context-parallel-size", "2"]),
+           ("dp = 2, ZeRO-1", 2, ["--data-parallel-size", "2", "--zero-stage", "1"]),
+           ("tp = 2, sp", 2, ["--tensor-parallel-size", "2", "--sequence-parallel"])]
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def launch(ranks: int, script: str, args: list) -> list:
+    prefix = [str(BIN / "mpiexec"), "-n", str(ranks)] if ranks > 1 else []
+    return prefix + [str(BIN / "python"), script, *args]
+
+
+def run_json(cmd: list) -> dict:
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def caption(ax, text: str) -> None:
+    ax.figure.text(0.01, 0.005, f"{text}\n{machine()}", fontsize=6, color="#555555", va="bottom")
+
+
+def loss_curves(plt, data_dir: Path, iters: int) -> dict:
+    """The same training on several layouts: the curves lie on each other."""
+    curves = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, ranks, flags in LAYOUTS[:5]:
+            out = Path(tmp) / label.replace(" ", "")
+            subprocess.run(launch(ranks, "train_shakespeare.py", flags + [
+                "--max-iters", str(iters), "--log-interval", "5", "--eval-interval", str(iters), "--eval-iters", "5",
+                "--global-batch-size", "12", "--micro-batch-size", "6" if "--data-parallel-size" in flags else "12",
+                "--data-dir", str(data_dir), "--out-dir", str(out), "--no-progress"]),
+                check=True, cwd=REPO, capture_output=True)
+            rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            curves[label] = [(r["iter"], r["train_loss"]) for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for label, points in curves.items():
+        ax.plot(*zip(*points), label=label, lw=1.2)
+    ax.set(xlabel="iteration", ylabel="training loss", title="Every layout trains the same model")
+    ax.legend()
+    caption(ax, f"python benchmarks/figures.py: train_shakespeare.py, default model, float32, batch 12, {iters} iterations")
+    fig.savefig(FIGURES / "loss_curves.svg", bbox_inches="tight")
+    return curves
+
+
+def bubble(plt, iters: int) -> dict:
+    sweep = {}
+    for schedule in ("1f1b", "gpipe"):
+        for m in (1, 2, 4, 8, 16):
+            result = run_json(launch(2, "benchmarks/benchmark.py", [
+                "--pipeline-parallel-size", "2", "--pipeline-schedule", schedule, "--micro-batch-size", "4",
+                "--global-batch-size", str(4 * m), "--iters", str(iters), "--warmup", "3"]))
+            sweep.setdefault(schedule, []).append((m, result["pipeline_bubble_measured_median"],
+                                                   result["pipeline_bubble_formula"]))
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for schedule, points in sweep.items():
+        ms, measured, formula = zip(*points)
+        ax.plot(ms, measured, "o-", label=f"{schedule}, measured")
+    ax.plot(ms, formula, "k--", label="(p-1)/(m+p-1)")
+    ax.set(xscale="log", xlabel="micro-batches m", ylabel="bubble (idle share)", title="The bubble of a 2-stage pipeline")
+    ax.set_xticks(ms, [str(m) for m in ms])
+    ax.legend()
+    caption(ax, "mpiexec -n 2 python benchmarks/benchmark.py --pipeline-parallel-size 2 --micro-batch-size 4 "
+                "--global-batch-size 4m")
+    fig.savefig(FIGURES / "bubble.svg", bbox_inches="tight")
+    return sweep
+
+
+def layouts(plt, iters: int) -> dict:
+    """Throughput per layout, and bytes per collective kind against the planner's formula."""
+    results = {}
+    for label, ranks, flags in LAYOUTS:
+        args = flags + ["--iters", str(iters), "--warmup", "3"]
+        if "--pipeline-parallel-size" in flags:
+            args += ["--global-batch-size", "96"]
+        measured = run_json(launch(ranks, "benchmarks/benchmark.py", args))
+        planned = run_json([str(BIN / "python"), "-m", "numpitron.plan", "--json", "--devices", str(ranks),
+                            *[a for a in args if a not in ("--iters", "--warmup", str(iters), "3")]])
+        results[label] = {"tokens_per_s": measured["tokens_per_s"], "global_batch": measured["mesh"]["global_batch"],
+                          "bytes": measured["comm_bytes_per_iter_by_kind"],
+                          "planned_bytes": planned["stages"][0]["comm_bytes"]}
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    labels = list(results)
+    ax.barh(labels, [results[k]["tokens_per_s"] for k in labels], color="#4c78a8")
+    ax.set(xlabel="tokens/s", title="Throughput per layout, default model")
+    caption(ax, "python benchmarks/benchmark.py under mpiexec -n 1 or 2; pp = 2 at global batch 96 (m = 8)")
+    fig.savefig(FIGURES / "throughput.svg", bbox_inches="tight")
+    fig, ax = plt.subplots(figsize=(6.4, 4.5))
+    rows = [(f"{label}: {kind}", data["bytes"][kind], data["planned_bytes"].get(kind, 0))
+            for label, data in results.items() for kind in sorted(data["bytes"]) if data["bytes"][kind] > 100]
+    names, measured, planned = zip(*rows)
+    y = range(len(rows))
+    ax.barh([i + 0.2 for i in y], [m / 1e6 for m in measured], height=0.4, label="measured (CommStats)")
+    ax.barh([i - 0.2 for i in y], [p / 1e6 for p in planned], height=0.4, label="formula (planner)")
+    ax.set_yticks(list(y), names, fontsize=7)
+    ax.set(xlabel="MB per iteration (stage 0)", title="Bytes per collective: measured and formula")
+    ax.legend()
+    caption(ax, "benchmarks/benchmark.py against python -m numpitron.plan with the same flags")
+    fig.savefig(FIGURES / "bytes.svg", bbox_inches="tight")
+    return results
+
+
+def memory(plt) -> dict:
+    """Per-rank state bytes for ZeRO stages 0 and 1 at dp = 1, 2, 4 (the planner's
+    accounting, which tests/test_plan.py checks against real runs)."""
+    sizes = {}
+    for zero in (0, 1):
+        for dp in (1, 2, 4):
+            planned = run_json([str(BIN / "python"), "-m", "numpitron.plan", "--json", "--data-parallel-size", str(dp),
+                                "--zero-stage", str(zero)])["stages"][0]
+            sizes[f"ZeRO-{zero}, dp = {dp}"] = {k: planned[k] for k in ("params", "grads", "optimizer_state")}
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    labels, bottom = list(sizes), [0.0] * len(sizes)
+    for part in ("params", "grads", "optimizer_state"):
+        values = [sizes[k][part] / 1e6 for k in labels]
+        ax.barh(labels, values, left=bottom, label=part.replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set(xlabel="MB per rank", title="What each rank stores, by ZeRO stage")
+    ax.legend()
+    caption(ax, "python -m numpitron.plan --data-parallel-size dp --zero-stage z (default model, float32)")
+    fig.savefig(FIGURES / "memory_zero.svg", bbox_inches="tight")
+    return sizes
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data-dir", default="data")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    import matplotlib
+    matplotlib.use("svg")
+    import matplotlib.pyplot as plt
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    iters = 5 if args.quick else 20
+    data = {"machine": machine(), "loss_curves": loss_curves(plt, Path(args.data_dir).resolve(), 40 if args.quick else 300),
+            "bubble": bubble(plt, iters), "layouts": layouts(plt, iters), "memory_zero": memory(plt)}
+    subprocess.run(launch(2, "benchmarks/pipeline_timeline.py", ["--out", "docs/pipeline_timeline.svg"]),
+                   check=True, cwd=REPO, capture_output=True)
+    (FIGURES / "figures.json").write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {', '.join(sorted(p.name for p in FIGURES.glob('*.svg')))} and figures.json in {FIGURES}")
+
+
+if __name__ == "__main__":
+    main()
