@@ -51,7 +51,7 @@ def draw(panels, microbatches: int) -> str:
     """panels: [(title, per_stage)], per_stage = [(events, wall_s, peak)] by stage."""
     stages = len(panels[0][1])
     panel_h = (stages + 2) * ROW_H
-    height = panel_h * len(panels) + 30
+    height = panel_h * len(panels) + 46
     svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + 20}" height="{height}" '
            'font-family="sans-serif" font-size="12">', '<rect width="100%" height="100%" fill="white"/>']
     longest = max(wall for _, per_stage in panels for _, wall, _ in per_stage)
@@ -72,8 +72,12 @@ def draw(panels, microbatches: int) -> str:
                 x, w = LEFT + start * scale, max((end - start) * scale, 1)
                 svg.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{ROW_H - 6}" fill="{COLORS[op]}" '
                            f'stroke="white"/><text x="{x + 3:.1f}" y="{y + 14}" fill="white">{op}{mb}</text>')
-    svg.append(f'<text x="{LEFT}" y="{height - 8}">blue: forward, orange: backward, grey: idle '
+    svg.append(f'<text x="{LEFT}" y="{height - 24}">blue: forward, orange: backward, grey: idle '
                f'(waiting for a neighbour); time runs left to right, {longest * 1e3:.0f} ms across</text>')
+    import os
+    import platform
+    svg.append(f'<text x="{LEFT}" y="{height - 8}" font-size="9" fill="#555">mpiexec -n {stages} python '
+               f'benchmarks/pipeline_timeline.py on {platform.machine()}, {os.cpu_count()} cores</text>')
     svg.append("</svg>")
     return "\n".join(svg)
 
