@@ -9,6 +9,8 @@ formula (P-1)/(m+P-1) and the peak micro-batches held at once per stage.
 """
 
 import argparse
+import os
+import platform
 import sys
 from pathlib import Path
 
@@ -74,8 +76,6 @@ def draw(panels, microbatches: int) -> str:
                            f'stroke="white"/><text x="{x + 3:.1f}" y="{y + 14}" fill="white">{op}{mb}</text>')
     svg.append(f'<text x="{LEFT}" y="{height - 24}">blue: forward, orange: backward, grey: idle '
                f'(waiting for a neighbour); time runs left to right, {longest * 1e3:.0f} ms across</text>')
-    import os
-    import platform
     svg.append(f'<text x="{LEFT}" y="{height - 8}" font-size="9" fill="#555">mpiexec -n {stages} python '
                f'benchmarks/pipeline_timeline.py on {platform.machine()}, {os.cpu_count()} cores</text>')
     svg.append("</svg>")
