@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 
 from numpitron.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from numpitron.distributed.topology import Topology  # noqa: E402
-from numpitron.nn.functional import gelu_backward, gelu_forward, softmax_lastdim_, softmax_lastdim_backward  # noqa: E402
+from numpitron.nn.functional import gelu_backward, gelu_forward, softmax_lastdim_with_lse_  # noqa: E402
 from numpitron.trainer import Trainer  # noqa: E402
 
 B, T = 12, 64
@@ -138,12 +138,13 @@ def main():
     add("  tied head matmuls", 1, profile_layer(model.head.head, h, gradient_like(model.head.head.forward(h)[0], 6)))
     add("model (whole)", 1, profile_layer(model, ids, 1.0, targets=targets))
     # The element-wise kernels, on the shapes the blocks give them
-    scores = block.attn.forward(h)[1]["probs"]
-    dprobs = gradient_like(scores, 7)
+    groups = [probs for step in block.attn.forward(h)[1]["saved"] for _, _, probs, _ in step]
     tanh_term = gelu_forward(hidden)[1]
     dhidden = gradient_like(hidden, 8)
-    add("  kernel: softmax", L, (median_ms(softmax_lastdim_, scores.copy),
-                                 median_ms(lambda d: softmax_lastdim_backward(d, scores), dprobs.copy), 0.0))
+    # Every softmax group of one block (nn/blockwise_attention.py); its backward is two
+    # passes inside attend_block_backward, timed with attention.
+    add("  kernel: softmax", L, (median_ms(lambda gs: [softmax_lastdim_with_lse_(g) for g in gs],
+                                           lambda: [g.copy() for g in groups]), 0.0, 0.0))
     add("  kernel: gelu", L, (median_ms(lambda _: gelu_forward(hidden)),
                               median_ms(lambda _: gelu_backward(dhidden, hidden, tanh_term)), 0.0))
     add("data: global batch", 1, (median_ms(lambda _: trainer.microbatches(tokens, "train", 1)), 0.0, 0.0))

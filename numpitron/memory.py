@@ -1,5 +1,5 @@
-"""A rough estimate of the memory one rank needs, checked before anything large is
-allocated, so that an impossible size is one line instead of a MemoryError."""
+"""The memory one rank needs, checked before anything large is allocated, so that an
+impossible size is one line instead of a MemoryError."""
 
 import os
 
@@ -21,22 +21,15 @@ def available_bytes() -> int | None:
         return None
 
 
-def estimate_bytes(model_cfg, train_cfg, topo, in_flight: int) -> int:
-    """Parameters, gradients and Adam's two moments of one stage, plus the activations
-    `in_flight` micro-batches keep (about 20 C + the attention scores per token and
-    layer; nn/ has the exact accounting). An estimate, not a bound."""
-    item = 8 if model_cfg.dtype == "float64" else 4
-    C, L, T, V = model_cfg.d_model, model_cfg.n_layers, model_cfg.seq_len, model_cfg.vocab_size
-    layers = L // topo.pp
-    params = (12 * C * C + 13 * C) * layers // topo.tp + (V + T) * C + 2 * C
-    tokens = train_cfg.micro_batch_size * T // topo.cp
-    heads = model_cfg.n_heads // topo.tp
-    activations = layers * tokens * (20 * C // topo.tp + heads * T) + tokens * V // topo.tp
-    return item * (4 * params + in_flight * activations)
-
-
-def check_fits(model_cfg, train_cfg, topo, in_flight: int) -> None:
-    need, have = estimate_bytes(model_cfg, train_cfg, topo, in_flight), available_bytes()
+def check_fits(model_cfg, parallel_cfg, train_cfg, topo) -> None:
+    """This rank's parameters, gradients, optimizer state and peak activations, from the
+    planner's accounting (numpitron/plan/accounting.py, exact on every tested layout),
+    against what this host has free."""
+    from numpitron.plan.accounting import Rank, peak_activation_bytes, state_bytes
+    rank = Rank(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank, topo.cp_rank)
+    need = sum(state_bytes(model_cfg, parallel_cfg, rank).values()) \
+        + peak_activation_bytes(model_cfg, parallel_cfg, train_cfg, rank)
+    have = available_bytes()
     if have is not None and need > have:
         raise UserError(f"this configuration needs about {need / 2**30:.1f} GiB per rank, and this host has "
                         f"{have / 2**30:.1f} GiB available: use smaller sizes or more ranks")

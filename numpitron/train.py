@@ -38,8 +38,7 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
     paths = prepare_data_on_ranks(topo, data_dir, input_path)
     tokenizer, splits = on_every_rank(topo.world, lambda: load_prepared(paths, model_cfg.seq_len))
     model_cfg = replace(model_cfg, vocab_size=tokenizer.vocab_size).validate()
-    in_flight = train_cfg.num_microbatches(topo.dp) if parallel_cfg.schedule == "gpipe" else topo.pp
-    on_every_rank(topo.world, lambda: check_fits(model_cfg, train_cfg, topo, in_flight))
+    on_every_rank(topo.world, lambda: check_fits(model_cfg, parallel_cfg, train_cfg, topo))
     claim_on_every_rank(topo, out_dir, resume, overwrite)
     trainer = Trainer(model_cfg, parallel_cfg, train_cfg, topo)
     ckpt_root = out_dir / "checkpoints"

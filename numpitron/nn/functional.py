@@ -37,20 +37,6 @@ def gelu_backward(dy, x, t):
     return inner
 
 
-def causal_mask(T: int, dtype) -> np.ndarray:
-    """(T, T) additive mask: 0 on and below the diagonal, -inf above it."""
-    mask = np.zeros((T, T), dtype)
-    mask[np.triu_indices(T, 1)] = -np.inf
-    return mask
-
-
-def softmax_lastdim_(x):
-    """In-place softmax over the last axis."""
-    x -= x.max(axis=-1, keepdims=True)
-    np.exp(x, out=x)
-    row_sum = x.sum(axis=-1, keepdims=True)
-    x *= np.reciprocal(row_sum, out=row_sum)     # one division per row, not per element
-    return x
 
 
 def softmax_lastdim_with_lse_(x):
@@ -64,11 +50,3 @@ def softmax_lastdim_with_lse_(x):
     lse += row_max
     x *= np.reciprocal(row_sum, out=row_sum)
     return lse
-
-
-def softmax_lastdim_backward(dp, p):
-    """dS = P * (dP - sum(dP * P)) over the last axis; overwrites and returns dp."""
-    dot = (dp * p).sum(axis=-1, keepdims=True)
-    dp -= dot
-    dp *= p
-    return dp

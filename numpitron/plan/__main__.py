@@ -46,8 +46,6 @@ def search(args, model, parallel, train, device) -> tuple[list, list]:
     for tp in range(1, args.devices + 1):
         for pp in range(1, args.devices // tp + 1):
             for cp in (c for c in range(1, args.devices // (tp * pp) + 1) if args.devices % (tp * pp * c) == 0):
-                if args.devices % (tp * pp):
-                    continue
                 trial = replace_args(args, tp, pp, cp)
                 label = f"tp={tp} pp={pp} cp={cp} dp={args.devices // (tp * pp * cp)}"
                 try:
