@@ -5,12 +5,21 @@
     step(lr) -> grad norm    finish averaging gradients over dp, clip by the global
                              norm, apply AdamW to the slice [lo, hi) this rank updates
     full_moments()           Adam's m and v laid out like the stage's flat buffer
-    load_moments(m, v, t)    the inverse (checkpoints)
+    load_moments(m, v, t)    the inverse
     state_nbytes()           bytes of optimizer state on this rank
+
+and, for sharded checkpoints (checkpoint/save.py, load.py), where every rank writes
+the part of the stage's flat buffers it owns and reads back only what it needs:
+
+    write_range() -> (lo, hi)       the slice of the stage's flat buffers this rank writes
+    flat_slices(lo, hi)             {"params", "adam_m", "adam_v"}: their values on [lo, hi)
+    load_flat(get_range, t)         restore from get_range(kind, lo, hi) -> values on [lo, hi)
 
 Subclasses: `parallel.data_parallel.DataParallelOptimizer` (ZeRO stage 0) and
 `parallel.zero.ZeroOneOptimizer`; `parallel.optimizer.make_optimizer` picks one.
 """
+
+import numpy as np
 
 from numpitron.optim.adamw import AdamW
 
@@ -39,3 +48,36 @@ class DistributedOptimizer:
 
     def state_nbytes(self) -> int:
         return self.adam.state_nbytes
+
+    def params_range(self, lo: int, hi: int) -> np.ndarray:
+        """This rank's parameter values on [lo, hi) of the stage's flat buffer (ZeRO-3,
+        which keeps only its own slice, overrides it)."""
+        return self.store.data[lo:hi]
+
+    def write_range(self) -> tuple[int, int]:
+        """The slice this rank writes to a checkpoint: the 1/dp of the stage it owns
+        under ZeRO; without ZeRO the replicas split the writing the same way."""
+        group = self.topo.dp_cp_comm
+        step = -(-self.store.size // group.size)
+        lo = min(group.rank * step, self.store.size)
+        return lo, min(lo + step, self.store.size)
+
+    def flat_slices(self, lo: int, hi: int) -> dict:
+        """Parameters and Adam moments on [lo, hi), which must lie in what this rank owns."""
+        if not (self.lo <= lo <= hi <= self.hi):
+            raise ValueError(f"[{lo}, {hi}) is outside this rank's [{self.lo}, {self.hi})")
+        return {"params": self.params_range(lo, hi),
+                "adam_m": self.adam.m[lo - self.lo:hi - self.lo],
+                "adam_v": self.adam.v[lo - self.lo:hi - self.lo]}
+
+    def load_flat(self, get_range, step_count: int) -> None:
+        """get_range(kind, lo, hi) returns a kind's values on [lo, hi) of the stage's
+        flat buffer (zeros where it is padding). Every replica of the parameters reads
+        them whole; the moments only on the slice this rank updates."""
+        self.store.data[...] = get_range("params", 0, self.store.size)
+        self.adam.load_state(get_range("adam_m", self.lo, self.hi), get_range("adam_v", self.lo, self.hi),
+                             step_count)
+
+    def full_params(self) -> np.ndarray:
+        """The stage's whole flat parameter buffer (tests and exports)."""
+        return self.store.data
