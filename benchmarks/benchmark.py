@@ -120,6 +120,7 @@ def timed_steps(trainer, tokens, iters: int, world) -> dict:
             "comm_seconds_per_iter_by_kind": {k: v["seconds"] / iters for k, v in trainer.topo.stats.snapshot().items()},
             "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,     # Linux: KiB
             "optimizer_state_bytes": trainer.optimizer.state_nbytes(),
+            "memory_bytes": trainer.optimizer.memory_bytes(),
             "peak_activation_bytes": trainer.last_pipeline_stats.peak_activation_bytes}
 
 
@@ -192,6 +193,9 @@ def main():
         "peak_rss_mb": round(max(r["peak_rss_kb"] for r in ranks) / 1024, 1),
         "baseline_rss_mb_rank0": round(baseline_rss_kb / 1024, 1),
         "optimizer_state_bytes_per_rank": [r["optimizer_state_bytes"] for r in ranks],
+        # parameters, gradients, optimizer state, and the peaks of ZeRO's gathered layers
+        # and whole gradients during a pass (docs/12-zero-2-and-3.md)
+        "memory_bytes_per_rank": [r["memory_bytes"] for r in ranks],
         "peak_activation_bytes_per_rank": [r["peak_activation_bytes"] for r in ranks],
         "page_faults_per_iter_per_rank": [round(r["page_faults_per_iter"]) for r in ranks],
     }

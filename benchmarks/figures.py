@@ -129,23 +129,27 @@ def layouts(plt, iters: int) -> dict:
 
 
 def memory(plt) -> dict:
-    """Per-rank state bytes for ZeRO stages 0 and 1 at dp = 1, 2, 4 (the planner's
-    accounting, which tests/test_plan.py checks against real runs)."""
+    """Bytes per rank for ZeRO stages 0-3 at dp = 2 and 4, measured by real runs (the
+    optimizers' `memory_bytes`; tests/test_plan.py checks the planner against them)."""
     sizes = {}
-    for zero in (0, 1):
-        for dp in (1, 2, 4):
-            planned = run_json([str(BIN / "python"), "-m", "numpitron.plan", "--json", "--data-parallel-size", str(dp),
-                                "--zero-stage", str(zero)])["stages"][0]
-            sizes[f"ZeRO-{zero}, dp = {dp}"] = {k: planned[k] for k in ("params", "grads", "optimizer_state")}
+    for dp in (2, 4):
+        for zero in (0, 1, 2, 3):
+            result = run_json(launch(dp, "benchmarks/benchmark.py", ["--data-parallel-size", str(dp), "--zero-stage",
+                                                                     str(zero), "--iters", "2"]))
+            sizes[f"ZeRO-{zero}, dp = {dp}"] = result["memory_bytes_per_rank"][0]
+    parts = {"params": "parameters", "grads": "gradients", "optimizer_state": "Adam m and v",
+             "gathered_params_peak": "gathered layers (peak)", "backward_grads_peak": "whole gradients (peak)"}
     fig, ax = plt.subplots(figsize=(6.4, 4))
     labels, bottom = list(sizes), [0.0] * len(sizes)
-    for part in ("params", "grads", "optimizer_state"):
+    for part, label in parts.items():
         values = [sizes[k][part] / 1e6 for k in labels]
-        ax.barh(labels, values, left=bottom, label=part.replace("_", " "))
+        ax.barh(labels, values, left=bottom, label=label, hatch="//" if "peak" in part else None)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set(xlabel="MB per rank", title="What each rank stores, by ZeRO stage")
-    ax.legend()
-    caption(ax, "python -m numpitron.plan --data-parallel-size dp --zero-stage z (default model, float32)")
+    ax.invert_yaxis()
+    ax.set(xlabel="MB per rank (hatched: only during a pass)", title="What each rank stores, by ZeRO stage")
+    ax.legend(fontsize=7)
+    caption(ax, "mpiexec -n dp python benchmarks/benchmark.py --data-parallel-size dp --zero-stage z "
+                "(default model, float32): memory_bytes_per_rank")
     fig.savefig(FIGURES / "memory_zero.svg", bbox_inches="tight")
     return sizes
 
@@ -154,11 +158,17 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", default="data")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", choices=["memory_zero"], help="make this figure alone (figures.json keeps the rest)")
     args = p.parse_args()
     import matplotlib
     matplotlib.use("svg")
     import matplotlib.pyplot as plt
     FIGURES.mkdir(parents=True, exist_ok=True)
+    if args.only:
+        data = json.loads((FIGURES / "figures.json").read_text())
+        data[args.only] = {"memory_zero": memory}[args.only](plt)
+        (FIGURES / "figures.json").write_text(json.dumps(data, indent=1) + "\n")
+        return
     iters = 5 if args.quick else 20
     data = {"machine": machine(), "loss_curves": loss_curves(plt, Path(args.data_dir).resolve(), 40 if args.quick else 300),
             "bubble": bubble(plt, iters), "layouts": layouts(plt, iters), "memory_zero": memory(plt)}

@@ -3,7 +3,7 @@ them (and the MPI world) into validated configs and a Topology."""
 
 import argparse
 
-from numpitron.config import DTYPES, RECOMPUTE, ModelConfig, ParallelConfig, TrainConfig, check_layout
+from numpitron.config import DTYPES, RECOMPUTE, ZERO_STAGES, ModelConfig, ParallelConfig, TrainConfig, check_layout
 from numpitron.errors import UserError
 
 
@@ -35,7 +35,8 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     d = ParallelConfig()
     g = p.add_argument_group("parallelism")
     g.add_argument("--pipeline-schedule", choices=["gpipe", "1f1b"], default=d.schedule)
-    g.add_argument("--zero-stage", type=int, choices=[0, 1], default=d.zero_stage)
+    g.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=d.zero_stage,
+                   help="shard over dp: 1 the optimizer state, 2 also the gradients, 3 also the parameters")
     g.add_argument("--bucket-size", type=int, default=d.bucket_size,
                    help="elements per data-parallel gradient bucket")
     g.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",

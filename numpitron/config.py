@@ -36,6 +36,9 @@ class ModelConfig:
         return self
 
 
+ZERO_STAGES = (0, 1, 2, 3)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How to parallelise, beyond the mesh's sizes (which only the Topology holds)."""
@@ -53,8 +56,8 @@ class ParallelConfig:
             raise UserError(f"unknown recompute {self.recompute!r}; choose one of {', '.join(RECOMPUTE)}")
         if self.schedule not in ("gpipe", "1f1b"):
             raise UserError(f"unknown pipeline schedule {self.schedule!r}; choose gpipe or 1f1b")
-        if self.zero_stage not in (0, 1):
-            raise UserError(f"zero stage must be 0 or 1, got {self.zero_stage}")
+        if self.zero_stage not in ZERO_STAGES:
+            raise UserError(f"zero stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         return self
 
 
@@ -70,6 +73,14 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
             raise UserError(f"with --sequence-parallel each tp rank holds an equal part of the sequence: seq_len "
                             f"({model.seq_len}) / context-parallel size ({context}) must be divisible by the "
                             f"tensor-parallel size ({tensor})")
+    if parallel is not None and parallel.zero_stage == 3:
+        if pipeline > 1:
+            raise UserError("--zero-stage 3 with pipeline parallelism would all-gather every stage's parameters "
+                            "again for every micro-batch; use --zero-stage 2 (or 1) with --pipeline-parallel-size")
+        if parallel.sequence_parallel:
+            raise UserError("--zero-stage 3 reduce-scatters each layer's gradients when its backward ends, but "
+                            "--sequence-parallel sums LayerNorm gradients over tp only after the whole backward; "
+                            "use --zero-stage 2 with --sequence-parallel")
     if model.n_heads % tensor:
         raise UserError(f"n_heads ({model.n_heads}) must be divisible by the tensor-parallel size ({tensor})")
     if (4 * model.d_model) % tensor:

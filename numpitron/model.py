@@ -19,6 +19,7 @@ from numpitron.nn.kv_cache import KVCache
 from numpitron.nn.layer import Layer
 from numpitron.nn.param import ParamStore
 from numpitron.nn.recompute import Recomputed
+from numpitron.nn.residency import AlwaysResident
 from numpitron.nn.regions import make_region
 from numpitron.parallel.context import local_positions
 
@@ -59,6 +60,12 @@ class GPTStage(Layer):
         params = self.tied + [p for layer in self.layers for p in layer.parameters() if p not in self.tied]
         self.store = ParamStore(params, self.dtype, topo.tp_rank)
         self.store.initialize(seed)
+        # Gradients final only after finalize_grads: the tied embedding (summed over its
+        # copies) and, with sequence parallelism, the tp-replicated parameters (summed
+        # over tp): nobody may start reducing them over dp before that.
+        replicated = [p for p in params if p.split_axis is None] if self.region.sequence_parallel else []
+        self.unfinished = self.tied + [p for p in replicated if p not in self.tied]
+        self.residency = AlwaysResident()       # ZeRO-3 installs its own (nn/residency.py)
 
     def parameters(self):
         return self.store.params
@@ -73,29 +80,36 @@ class GPTStage(Layer):
         Returns (output, cache): the last stage's output is the mean loss, or the
         logits (B, T, V/tp) without targets; the others' are activations to send on."""
         caches, x = [], inputs
-        if self.first:
-            x, layer_cache = self.embeddings.forward(x, kv=kv)
-            caches.append(layer_cache)
-        for i, block in enumerate(self.block_layers):
-            x, layer_cache = block.forward(x, kv=None if kv is None else kv.layer(i))
-            caches.append(layer_cache)
-        if self.last:
-            x, layer_cache = self.head.forward(x, targets=targets)
+        for index, layer in enumerate(self.layers):
+            self.residency.before_forward(index)
+            x, layer_cache = layer.forward(x, **self._context(index, targets, kv))
+            self.residency.after_forward(index)
             caches.append(layer_cache)
         if kv is not None:
             kv.advance(inputs.shape[1])
         return x, caches
+
+    def _context(self, index: int, targets, kv) -> dict:
+        """What layer `index` takes beside its input: the head the targets, the
+        embeddings the KV cache (for positions), each block its own layer's cache."""
+        if self.last and index == len(self.layers) - 1:
+            return {"targets": targets}
+        if kv is None:
+            return {}
+        return {"kv": kv if self.first and index == 0 else kv.layer(index - self.first)}
 
     def backward(self, dout, cache, grads_ready=None):
         """dout: the loss weight (last stage) or dL/d(output activations). Returns
         dL/d(input activations), None on the first stage. Layer by layer, both halves,
         so each layer's gradients are final as early as possible: `grads_ready` hears
         of them (data parallelism starts reducing them while the backward goes on)."""
-        for layer, layer_cache in zip(reversed(self.layers), reversed(cache)):
-            dout = layer.backward(dout, layer_cache)
+        for index in reversed(range(len(self.layers))):
+            layer = self.layers[index]
+            self.residency.before_backward(index)
+            dout = layer.backward(dout, cache[index])
+            self.residency.after_backward(index)
             if grads_ready is not None:
-                # The tied embedding is not final before finalize_grads sums its copies.
-                grads_ready([p for p in layer.parameters() if p not in self.tied])
+                grads_ready([p for p in layer.parameters() if p not in self.unfinished])
         return dout
 
     def backward_input(self, dout, cache):
@@ -123,7 +137,7 @@ class GPTStage(Layer):
                 offset += p.grad.size
         if self.tied:
             self.topo.embedding_comm.all_reduce(self.token_embedding.weight.grad)
-            grads_ready(self.tied)
+        grads_ready(self.unfinished)
 
     def new_kv_cache(self, batch: int) -> KVCache:
         """An empty key/value cache for generating `batch` sequences on this stage."""

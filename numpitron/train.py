@@ -68,7 +68,9 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
         dt = time.perf_counter() - t0
         it = trainer.iteration          # iterations completed
         record = {"iter": it, **step, "tokens_per_s": tokens_per_iter / dt, "elapsed_s": time.perf_counter() - start,
-                  "comm_bytes": topo.stats.total_bytes()}
+                  "comm_bytes": topo.stats.total_bytes(),
+                  # this rank's parameters, gradients, optimizer state and in-pass peaks (docs/12)
+                  **{f"memory_{k}": v for k, v in trainer.optimizer.memory_bytes().items()}}
         if topo.pp > 1:
             record["bubble"] = trainer.last_pipeline_stats.bubble_fraction
             record["bubble_formula"] = bubble_fraction(topo.pp, trainer.num_microbatches)

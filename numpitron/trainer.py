@@ -33,6 +33,7 @@ class Trainer:
         self.model = GPTStage(model_cfg, topo, seed=train_cfg.seed, sequence_parallel=parallel_cfg.sequence_parallel,
                               recompute=parallel_cfg.recompute)
         self.optimizer = make_optimizer(self.model.store, topo, train_cfg, parallel_cfg)
+        self.model.residency = self.optimizer.residency(self.model)
         self.iteration = 0          # number of completed optimizer steps
         self.best_val_loss = float("inf")
 
@@ -55,7 +56,7 @@ class Trainer:
 
     def train_step(self, train_tokens) -> dict:
         """Iteration `self.iteration`: returns loss, lr, grad_norm (same on every rank)."""
-        self.model.store.zero_grad()
+        self.optimizer.zero_grad()
         batches = self.microbatches(train_tokens, "train", self.iteration)
         losses, stats = run_schedule(self.model, self.topo, batches, self.parallel_cfg.schedule,
                                      loss_weight=1.0 / self.num_microbatches,

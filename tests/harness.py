@@ -51,7 +51,7 @@ def run(trainer, steps=10, tokens=None):
     tokens = tiny_tokens() if tokens is None else tokens
     steps_out = [trainer.train_step(tokens) for _ in range(steps)]
     losses, norms = [s["train_loss"] for s in steps_out], [s["grad_norm"] for s in steps_out]
-    full = gather_full(trainer.model, trainer.topo, {"params": trainer.model.store.data})
+    full = gather_full(trainer.model, trainer.topo, {"params": trainer.optimizer.full_params()})
     return np.array(losses), np.array(norms), (full or {}).get("params"), trainer
 
 

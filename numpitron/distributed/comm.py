@@ -119,6 +119,31 @@ class Comm:
             shard[...] = full
         return shard
 
+    def ireduce_scatter(self, full: np.ndarray, mine: np.ndarray, counts: list[int]) -> Pending:
+        """Start summing `full` over the group; rank r receives the r-th piece (pieces of
+        `counts` elements, in rank order) into `mine`. Uneven pieces: ZeRO-2/3 cut a bucket
+        or a layer where the ranks' 1/n slices of the whole stage fall, so a rank may own
+        all of it, some or none. Counted as the bytes this rank does not keep."""
+        if self.size == 1:
+            mine[...] = full
+            return Pending(None, "")
+        from mpi4py import MPI
+        kind = f"{self.name}.reduce_scatter"
+        self.stats.add(kind, full.nbytes - mine.nbytes)
+        return Pending(self.mpi.Ireduce_scatter(full, mine, counts, op=MPI.SUM), kind)
+
+    def iall_gather(self, mine: np.ndarray, full: np.ndarray, counts: list[int]) -> Pending:
+        """Start filling `full` with every rank's piece (`counts` elements each, in rank
+        order; this rank sends `mine`). Counted as the bytes this rank receives."""
+        if self.size == 1:
+            full[...] = mine
+            return Pending(None, "")
+        from mpi4py import MPI
+        displacements = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+        kind = f"{self.name}.all_gather"
+        self.stats.add(kind, full.nbytes - mine.nbytes)
+        return Pending(self.mpi.Iallgatherv(mine, [full, (list(counts), displacements)]), kind)
+
     def all_gather(self, full: np.ndarray) -> np.ndarray:
         """In place: rank r's slice r of `full` is filled in on every rank."""
         if self.size > 1:

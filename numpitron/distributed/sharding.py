@@ -16,3 +16,11 @@ def shard_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
 def pad_to_multiple(size: int, multiple: int) -> int:
     """Smallest n >= size divisible by `multiple` (Megatron's make_vocab_size_divisible_by)."""
     return -(-size // multiple) * multiple
+
+
+def pieces_of_range(lo: int, hi: int, size: int, parts: int) -> list[int]:
+    """How [lo, hi) of a buffer of `size` elements falls over the equal slices of
+    `parts` ranks: the number of its elements in each rank's slice (ZeRO-2/3 reduce or
+    gather one bucket or layer where the ranks' slices of the whole buffer fall)."""
+    step = size // parts
+    return [max(0, min(hi, (r + 1) * step) - max(lo, r * step)) for r in range(parts)]

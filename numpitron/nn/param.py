@@ -127,6 +127,29 @@ class ParamStore:
     def zero_grad(self) -> None:
         self.grad.fill(0)
 
+    def allocate_grads(self) -> None:
+        """A fresh zeroed gradient buffer, every Param.grad a view of it (ZeRO-2 frees
+        the whole-stage gradients between steps and allocates them again here)."""
+        self.grad = np.zeros(self.size, self.dtype)
+        for p in self.params:
+            start, stop = self.offsets[p.name]
+            p.grad = self.grad[start:stop].reshape(p.local_shape)
+
+    def free_buffers(self) -> None:
+        """Drop every whole-stage buffer: ZeRO-3 keeps its own 1/dp slices instead and
+        points the Params at gathered layers only while they run."""
+        self.free_grads()
+        self.data = self.decay_mask = self.norm_mask = None
+        for p in self.params:
+            p.data = None
+
+    def free_grads(self) -> None:
+        """Drop the whole-stage gradient buffer; a gradient written before the next
+        allocate_grads fails loudly instead of landing nowhere."""
+        self.grad = None
+        for p in self.params:
+            p.grad = None
+
     def view(self, flat: np.ndarray, name: str) -> np.ndarray:
         """The slice of any flat buffer laid out like `data` (Adam m or v) for one param."""
         start, stop = self.offsets[name]

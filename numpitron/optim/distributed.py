@@ -1,5 +1,6 @@
 """What every optimizer of a training run does, whatever it shards.
 
+    zero_grad()              before the first backward of a step
     grads_ready(params)      the backward reports gradients that are final: an
                              optimizer may start reducing them over dp at once
     step(lr) -> grad norm    finish averaging gradients over dp, clip by the global
@@ -21,6 +22,7 @@ Subclasses: `parallel.data_parallel.DataParallelOptimizer` (ZeRO stage 0) and
 
 import numpy as np
 
+from numpitron.nn.residency import AlwaysResident
 from numpitron.optim.adamw import AdamW
 
 
@@ -32,6 +34,23 @@ class DistributedOptimizer:
         self.lo, self.hi = lo, hi
         self.adam = AdamW(hi - lo, store.dtype, train_cfg.beta1, train_cfg.beta2,
                           train_cfg.eps, train_cfg.weight_decay)
+
+    def residency(self, model):
+        """Where the model's parameters live during a pass (nn/residency.py): whole."""
+        return AlwaysResident()
+
+    def memory_bytes(self) -> dict:
+        """Bytes this rank keeps for the whole run (parameters, gradients, optimizer
+        state), and the peaks of what exists only during a pass: parameters gathered
+        whole (ZeRO-3) and whole gradient buffers (ZeRO-2 and 3). Their sum is the peak."""
+        grads = 0 if self.store.grad is None else self.store.grad.nbytes
+        grads += getattr(self, "grad_shard", np.empty(0)).nbytes
+        return {"params": self.store.data.nbytes, "grads": grads, "optimizer_state": self.state_nbytes(),
+                "gathered_params_peak": 0, "backward_grads_peak": 0}
+
+    def zero_grad(self) -> None:
+        """Before a step's first backward."""
+        self.store.zero_grad()
 
     def grads_ready(self, params) -> None:
         """Nothing to start early (the default)."""

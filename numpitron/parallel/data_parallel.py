@@ -17,8 +17,12 @@ from numpitron.optim.grad_norm import clip_, global_grad_norm
 
 
 class GradientBuckets:
-    def __init__(self, store, dp_comm, bucket_size: int, overlap: bool = True):
-        self.grad, self.dp, self.overlap = store.grad, dp_comm, overlap
+    """`start(lo, hi)` begins the non-blocking reduction of grad[lo:hi] over the group
+    and returns its Pending: an all-reduce here, a reduce-scatter under ZeRO-2."""
+
+    def __init__(self, store, dp_comm, bucket_size: int, overlap: bool = True, start=None):
+        self.store, self.dp, self.overlap = store, dp_comm, overlap
+        self.start = start or (lambda lo, hi: dp_comm.iall_reduce(store.grad[lo:hi]))
         self.buckets = []                 # [lo, hi) of the flat buffer, last first
         names, hi = [], store.size        # the padding, if any, rides in the first bucket
         for p in reversed(store.params):
@@ -39,18 +43,14 @@ class GradientBuckets:
         self.reported.update(p.name for p in params)
         for index, (lo, hi, names) in enumerate(self.buckets):
             if index not in self.pending and names <= self.reported:
-                self.pending[index] = self.dp.iall_reduce(self.grad[lo:hi])
+                self.pending[index] = self.start(lo, hi)
         self.dp.test(list(self.pending.values()))
 
-    def average(self) -> None:
-        """Every bucket summed over the group (waiting for those in flight, reducing the
-        rest now), then divided by its size: the gradient of the global batch."""
+    def finish(self) -> None:
+        """Every bucket reduced over the group: wait for those in flight, start and
+        wait for the rest (all of them without overlap)."""
         for index, (lo, hi, _) in enumerate(self.buckets):
-            if index in self.pending:
-                self.dp.wait(self.pending[index])
-            else:
-                self.dp.all_reduce(self.grad[lo:hi])
-        self.grad *= 1.0 / self.dp.size
+            self.dp.wait(self.pending[index] if index in self.pending else self.start(lo, hi))
         self.reset()
 
 
@@ -70,7 +70,8 @@ class DataParallelOptimizer(DistributedOptimizer):
     def step(self, lr: float) -> float:
         """Returns the global gradient norm before clipping."""
         grad = self.store.grad
-        self.buckets.average()
+        self.buckets.finish()
+        grad *= 1.0 / self.topo.dp_cp     # the sum over dp x cp becomes the global batch's mean
         # Gradients are now identical across dp: the norm spans one model replica.
         norm = global_grad_norm(grad, self.store.norm_mask, self.topo.model_comm)
         clip_(grad, norm, self.train_cfg.grad_clip)

@@ -2,9 +2,10 @@
 numpitron/optim/distributed.py)."""
 
 from numpitron.parallel.data_parallel import DataParallelOptimizer
-from numpitron.parallel.zero import ZeroOneOptimizer
+from numpitron.parallel.zero import ZeroOneOptimizer, ZeroTwoOptimizer
+from numpitron.parallel.zero3 import ZeroThreeOptimizer
 
-OPTIMIZERS = {0: DataParallelOptimizer, 1: ZeroOneOptimizer}
+OPTIMIZERS = {0: DataParallelOptimizer, 1: ZeroOneOptimizer, 2: ZeroTwoOptimizer, 3: ZeroThreeOptimizer}
 
 
 def make_optimizer(store, topo, train_cfg, parallel_cfg):

@@ -1,4 +1,5 @@
-"""ZeRO stage 1 (Rajbhandari et al. 2020, §5.1, P_os): optimizer state sharded over dp.
+"""ZeRO stages 1 and 2 (Rajbhandari et al. 2020, §5.1-5.2): optimizer state, then
+also gradients, sharded over dp. (Stage 3, parameters too: zero3.py.)
 
 Each dp rank owns one contiguous 1/dp slice [lo, hi) of the stage's flat parameter
 buffer, which it pads to a multiple of dp so the slices are equal. Per step:
@@ -10,13 +11,18 @@ buffer, which it pads to a multiple of dp so the slices are equal. Per step:
 
 A reduce-scatter plus an all-gather move the same bytes as one all-reduce (which
 is implemented as exactly those two phases): ZeRO-1 saves memory for free.
+
+Stage 2 reduce-scatters bucket by bucket during the backward instead of at the
+step (step 1 moves into the backward, overlapped like plain data parallelism), and
+keeps nothing but its slice of the gradients between steps.
 """
 
 import numpy as np
 
-from numpitron.distributed.sharding import shard_bounds
+from numpitron.distributed.sharding import pieces_of_range, shard_bounds
 from numpitron.optim.distributed import DistributedOptimizer
 from numpitron.optim.grad_norm import clip_, global_grad_norm
+from numpitron.parallel.data_parallel import GradientBuckets
 
 
 class ZeroOneOptimizer(DistributedOptimizer):
@@ -27,18 +33,25 @@ class ZeroOneOptimizer(DistributedOptimizer):
         store.pad_to_multiple(topo.dp_cp)
         super().__init__(store, topo, train_cfg, *shard_bounds(store.size, topo.dp_cp, topo.dp_cp_rank))
         self.grad_shard = np.zeros(self.hi - self.lo, store.dtype)
+        # The masks of this rank's slice (ZeRO-3 frees the whole-stage ones).
+        self.decay_shard = store.decay_mask[self.lo:self.hi].copy()
+        self.norm_shard = store.norm_mask[self.lo:self.hi].copy()
 
     def step(self, lr: float) -> float:
         dp = self.topo.dp_cp_comm
         lo, hi = self.lo, self.hi
         dp.reduce_scatter(self.store.grad, self.grad_shard)             # 1.
-        self.grad_shard *= 1.0 / dp.size
-        # 2. Slices are disjoint over dp and stages over pp; the mask handles tp.
-        norm = global_grad_norm(self.grad_shard, self.store.norm_mask[lo:hi], self.topo.world)
-        clip_(self.grad_shard, norm, self.train_cfg.grad_clip)
-        self.adam.update(self.store.data[lo:hi], self.grad_shard,       # 3.
-                         self.store.decay_mask[lo:hi], lr)
+        norm = self.update_shard(self.store.data[lo:hi], lr)            # 2. and 3.
         dp.all_gather(self.store.data)                                  # 4.
+        return norm
+
+    def update_shard(self, params_shard, lr: float) -> float:
+        """Steps 2 and 3 on this rank's slice, given the dp-summed gradient slice."""
+        self.grad_shard *= 1.0 / self.topo.dp_cp_comm.size
+        # Slices are disjoint over dp and stages over pp; the mask handles tp.
+        norm = global_grad_norm(self.grad_shard, self.norm_shard, self.topo.world)
+        clip_(self.grad_shard, norm, self.train_cfg.grad_clip)
+        self.adam.update(params_shard, self.grad_shard, self.decay_shard, lr)
         return norm
 
     def full_moments(self):
@@ -49,3 +62,45 @@ class ZeroOneOptimizer(DistributedOptimizer):
             buf[self.lo:self.hi] = shard
             full.append(self.topo.dp_cp_comm.all_gather(buf))
         return tuple(full)
+
+
+class ZeroTwoOptimizer(ZeroOneOptimizer):
+    """Stage 2 (P_os+g). Gradient accumulation: the m micro-batches' gradients add up
+    in the whole-stage buffer, and each bucket is reduce-scattered once, as soon as
+    the last micro-batch's backward has finished it. Reduce-scattering after every
+    micro-batch instead would keep no whole buffer but move m times the bytes, and
+    the tied embedding's and sequence parallelism's gradients are final only after
+    finalize_grads anyway. The cost: the whole buffer lives from a step's first
+    backward to its last reduce-scatter; between steps (the update, evaluation,
+    checkpoints) only this rank's 1/dp slice exists."""
+
+    zero_stage = 2
+
+    def __init__(self, store, topo, train_cfg, parallel_cfg):
+        super().__init__(store, topo, train_cfg, parallel_cfg)
+        self.buckets = GradientBuckets(store, topo.dp_cp_comm, parallel_cfg.bucket_size,
+                                       parallel_cfg.overlap_grad_reduce, start=self.reduce_scatter_bucket)
+        store.free_grads()
+
+    def reduce_scatter_bucket(self, lo: int, hi: int):
+        """Start summing grad[lo:hi] over dp; this rank keeps the part in its slice."""
+        dp = self.topo.dp_cp_comm
+        counts = pieces_of_range(lo, hi, self.store.size, dp.size)
+        start = max(lo, self.lo) - self.lo
+        return dp.ireduce_scatter(self.store.grad[lo:hi], self.grad_shard[start:start + counts[dp.rank]], counts)
+
+    def zero_grad(self) -> None:
+        self.store.allocate_grads()
+
+    def memory_bytes(self) -> dict:
+        return {**super().memory_bytes(), "backward_grads_peak": self.store.size * self.store.dtype.itemsize}
+
+    def grads_ready(self, params) -> None:
+        self.buckets.ready(params)
+
+    def step(self, lr: float) -> float:
+        self.buckets.finish()                   # 1. the reduce-scatters the backward started
+        self.store.free_grads()
+        norm = self.update_shard(self.store.data[self.lo:self.hi], lr)     # 2. and 3.
+        self.topo.dp_cp_comm.all_gather(self.store.data)                  # 4.
+        return norm

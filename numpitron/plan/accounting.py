@@ -9,7 +9,7 @@ these figures.
 
 from dataclasses import dataclass
 
-from numpitron.distributed.sharding import pad_to_multiple
+from numpitron.distributed.sharding import pad_to_multiple, pieces_of_range
 from numpitron.nn.activation_memory import block_activation_bytes
 
 F64 = 8          # the loss and the squared gradient norm travel as one float64
@@ -23,6 +23,7 @@ class Rank:
     cp: int
     stage: int = 0
     cp_rank: int = 0
+    dp_rank: int = 0               # only ZeRO-3's traffic depends on it (where the slices fall)
 
     @property
     def first(self) -> bool:
@@ -60,16 +61,34 @@ def parameter_elements(model, rank: Rank) -> tuple[int, int]:
     return total, replicated
 
 
+def block_elements(model, tp: int) -> int:
+    """One transformer block's parameters on a tp rank: the ZeRO-3 unit."""
+    C = model.d_model
+    return 2 * C + (3 * C * C + 3 * C) // tp + (C * C) // tp + C + 2 * C + (4 * C * C + 4 * C) // tp + 4 * C * C // tp + C
+
+
 def state_bytes(model, parallel, rank: Rank) -> dict:
-    """Parameters, gradients and Adam's moments on this rank (ZeRO-1 pads the flat
-    buffer to a multiple of dp x cp and keeps 1/(dp x cp) of the moments)."""
-    item, group = (8 if model.dtype == "float64" else 4), rank.dp * rank.cp
+    """The optimizer's `memory_bytes` on this rank (Rajbhandari et al. 2020, Fig. 1).
+    Kept all run: parameters, gradients, Adam's m and v. ZeRO pads the flat buffer to
+    a multiple of the group g = dp x cp and keeps 1/g of: m and v (stage 1, which adds
+    a 1/g gradient slice), the gradients too (stage 2), and the parameters (stage 3).
+    Alive only during a pass: the whole gradient buffer (stage 2), the gathered layers
+    and their gradients (stage 3: the root, and two blocks, one computing while the
+    next is prefetched or the last is reduce-scattered). The peak is the sum."""
+    item, group, stage = (8 if model.dtype == "float64" else 4), rank.dp * rank.cp, parallel.zero_stage
     size = parameter_elements(model, rank)[0]
-    moments = 2 * size
-    if parallel.zero_stage == 1:
-        size = pad_to_multiple(size, group)
-        moments = 2 * size // group
-    return {"params": size * item, "grads": size * item, "optimizer_state": moments * item}
+    if stage == 0:
+        return {"params": size * item, "grads": size * item, "optimizer_state": 2 * size * item,
+                "gathered_params_peak": 0, "backward_grads_peak": 0}
+    padded = pad_to_multiple(size, group)
+    shard = padded // group
+    blocks = model.n_layers // rank.pp
+    in_pass = padded - blocks * block_elements(model, rank.tp) + min(2, blocks) * block_elements(model, rank.tp)
+    return {"params": (shard if stage == 3 else padded) * item,
+            "grads": (shard + (padded if stage == 1 else 0)) * item,
+            "optimizer_state": 2 * shard * item,
+            "gathered_params_peak": in_pass * item if stage == 3 else 0,
+            "backward_grads_peak": {1: 0, 2: padded, 3: in_pass}[stage] * item}
 
 
 def activation_bytes_per_microbatch(model, parallel, train, rank: Rank) -> int:
@@ -128,17 +147,40 @@ def comm_bytes(model, parallel, train, rank: Rank) -> dict:
         add("pp.broadcast", F64)     # the loss, from the last stage
         if rank.first or rank.last:  # the tied embedding's two copies
             add("embedding.all_reduce", _all_reduce(pad_to_multiple(model.vocab_size, k) // k * C * item, 2))
-    group, size = rank.dp * K, state_bytes(model, parallel, rank)["grads"]
+    group, elements = rank.dp * K, parameter_elements(model, rank)[0]
     if group > 1:
-        if parallel.zero_stage == 1:
-            add("dp_cp.reduce_scatter", _half(size, group))
-            add("dp_cp.all_gather", _half(size, group))
+        padded = pad_to_multiple(elements, group)
+        if parallel.zero_stage == 0:
+            add("dp_cp.all_reduce", _all_reduce(elements * item, group))
+        elif parallel.zero_stage in (1, 2):          # the two halves of one all-reduce
+            add("dp_cp.reduce_scatter", _half(padded * item, group))
+            add("dp_cp.all_gather", _half(padded * item, group))
         else:
-            add("dp_cp.all_reduce", _all_reduce(size, group))
+            gathered, scattered = _zero3_elements_moved(model, rank, m, padded)
+            add("dp_cp.all_gather", gathered * item)
+            add("dp_cp.reduce_scatter", scattered * item)
         add("dp_cp.all_reduce", _all_reduce(F64, group))          # the loss
     world = k * K * P * rank.dp
-    if parallel.zero_stage == 1:
+    if parallel.zero_stage >= 1:
         add("world.all_reduce", _all_reduce(F64, world) if world > 1 else 0)
     elif k * P > 1:
         add("model.all_reduce", _all_reduce(F64, k * P))            # the gradient norm
     return out
+
+
+def _zero3_elements_moved(model, rank: Rank, m: int, padded: int) -> tuple[int, int]:
+    """Elements this rank receives in ZeRO-3's all-gathers and sends away in its
+    reduce-scatters in one step (parallel/zero3.py): every unit's elements outside this
+    rank's slice; the root (embeddings and final LayerNorm, with the padding) once,
+    each block in m forwards and m backwards (gathered twice, reduced once). A single
+    stage (ZeRO-3 refuses pipelines): the root is the head and the tail of the buffer."""
+    group_rank, group = rank.dp_rank * rank.cp + rank.cp_rank, rank.dp * rank.cp
+    block = block_elements(model, rank.tp)
+    head = pad_to_multiple(model.vocab_size, rank.tp) // rank.tp * model.d_model + model.seq_len * model.d_model
+    layers = model.n_layers
+
+    def outside(a, b):
+        return (b - a) - pieces_of_range(a, b, padded, group)[group_rank]
+    root = outside(0, head) + outside(head + layers * block, padded)
+    blocks = sum(outside(head + i * block, head + (i + 1) * block) for i in range(layers))
+    return root + 2 * m * blocks, root + m * blocks

@@ -39,7 +39,9 @@ def plan(model, parallel, train, mesh, device) -> dict:
         state = state_bytes(model, parallel, rank)
         if device.bytes_per_parameter:                            # mixed precision on paper
             params = state["params"] // (8 if model.dtype == "float64" else 4)
-            state = {"params": 2 * params, "grads": 2 * params,
+            in_pass = {k: state[k] // (4 if model.dtype == "float32" else 8) * 2
+                       for k in ("gathered_params_peak", "backward_grads_peak")}
+            state = {"params": 2 * params, "grads": 2 * params, **in_pass,
                      "optimizer_state": (device.bytes_per_parameter - 4) * params // (dp * cp if parallel.zero_stage else 1)}
         activations = scale * peak_activation_bytes(model, parallel, train, rank)
         comm = {kind: scale * nbytes for kind, nbytes in comm_bytes(model, parallel, train, rank).items()}
@@ -52,7 +54,7 @@ def plan(model, parallel, train, mesh, device) -> dict:
         t_adam = ADAM_PASSES * (state["params"] + state["grads"] + state["optimizer_state"]) / device.memory_bandwidth
         dp_time = sum(t for kind, t in t_comm.items() if kind.startswith("dp_cp."))
         buckets = max(1, -(-state["grads"] // (parallel.bucket_size * 4)))
-        exposed_dp = dp_time if parallel.zero_stage == 1 or not parallel.overlap_grad_reduce else dp_time / buckets
+        exposed_dp = dp_time if parallel.zero_stage in (1, 3) or not parallel.overlap_grad_reduce else dp_time / buckets
         step = (m + pp - 1) * (t_matmul + t_elementwise + exposed_per_mb) + t_adam + exposed_dp
         stages.append({"stage": stage, **state, "activations_peak": activations,
                        "total_peak": sum(state.values()) + activations, "comm_bytes": comm,

@@ -1,0 +1,76 @@
+"""ZeRO stages 0-3 side by side on dp ranks: step time, memory per rank, bytes moved,
+and how much of the dp traffic the backward hid (docs/12-zero-2-and-3.md).
+
+    python benchmarks/zero_stages.py [--ranks 2] [--rounds 5] [--iters 10] [--json out.json]
+
+Each round runs benchmarks/benchmark.py once per stage, in turn, so that the machine's
+drift hits every stage alike; the table gives medians over rounds. "exposed" is the
+time ranks spent waiting in dp collectives per iteration (fastest rank: the slowest
+waits for everyone at the barrier too); ZeRO-2 is also run without overlap, and
+"hidden" is 1 - exposed / exposed without overlap.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+RUNS = [("ZeRO-0", ["--zero-stage", "0"]), ("ZeRO-1", ["--zero-stage", "1"]), ("ZeRO-2", ["--zero-stage", "2"]),
+        ("ZeRO-2, no overlap", ["--zero-stage", "2", "--no-overlap-grad-reduce"]), ("ZeRO-3", ["--zero-stage", "3"])]
+
+
+def one_run(ranks: int, iters: int, flags: list) -> dict:
+    cmd = [str(BIN / "mpiexec"), "-n", str(ranks), str(BIN / "python"), "benchmarks/benchmark.py",
+           "--data-parallel-size", str(ranks), "--iters", str(iters), *flags]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def exposed_dp_seconds(result: dict) -> float:
+    """dp waiting per iteration on the rank that waited least."""
+    return min(sum(v for k, v in rank.items() if k.startswith("dp_cp."))
+               for rank in result["comm_seconds_per_iter_by_kind_per_rank"])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    results = {name: [] for name, _ in RUNS}
+    for _ in range(args.rounds):
+        for name, flags in RUNS:
+            results[name].append(one_run(args.ranks, args.iters, flags))
+    rows = {}
+    for name, runs in results.items():
+        memory = runs[0]["memory_bytes_per_rank"][0]
+        rows[name] = {
+            "step_ms": statistics.median(r["ms_per_iter_median"] for r in runs),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+            "exposed_dp_ms": 1e3 * statistics.median(exposed_dp_seconds(r) for r in runs),
+            "dp_bytes_per_iter": sum(v for k, v in runs[0]["comm_bytes_per_iter_by_kind"].items() if k.startswith("dp_cp.")),
+            "memory_bytes": memory, "peak_bytes": sum(memory.values())}
+    base = rows["ZeRO-0"]["step_ms"]
+    hidden = 1 - rows["ZeRO-2"]["exposed_dp_ms"] / rows["ZeRO-2, no overlap"]["exposed_dp_ms"]
+    print(f"dp = {args.ranks}, medians of {args.rounds} rounds x {args.iters} iterations (default model)")
+    print(f"{'':20s} {'step ms':>8s} {'vs 0':>6s} {'exposed dp ms':>14s} {'dp MB/iter':>11s} "
+          f"{'params':>7s} {'grads':>7s} {'adam':>7s} {'in-pass':>8s} {'peak MB':>8s}")
+    for name, r in rows.items():
+        m = r["memory_bytes"]
+        print(f"{name:20s} {r['step_ms']:8.1f} {r['step_ms'] / base:6.3f} {r['exposed_dp_ms']:14.2f} "
+              f"{r['dp_bytes_per_iter'] / 1e6:11.2f} {m['params'] / 1e6:7.2f} {m['grads'] / 1e6:7.2f} "
+              f"{m['optimizer_state'] / 1e6:7.2f} {(m['gathered_params_peak'] + m['backward_grads_peak']) / 1e6:8.2f} "
+              f"{r['peak_bytes'] / 1e6:8.2f}")
+    print(f"ZeRO-2: {100 * hidden:.0f}% of the reduce-scatter's waiting hidden by the backward")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "zero2_hidden_fraction": hidden}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
