@@ -138,7 +138,6 @@ class Comm:
         if self.size == 1:
             full[...] = mine
             return Pending(None, "")
-        from mpi4py import MPI
         displacements = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
         kind = f"{self.name}.all_gather"
         self.stats.add(kind, full.nbytes - mine.nbytes)
