@@ -55,6 +55,7 @@ def test_abort_on_one_rank_ends_every_rank_quickly():
     (["--n-layers", "0"], "n-layers must be positive"),
     (["--micro-batch-size", "-2"], "micro-batch-size must be positive"),
     (["--dtype", "float16"], "invalid choice: 'float16'"),
+    (["--zero-stage", "4"], "invalid choice: 4"),
     (["--global-batch-size", "10", "--micro-batch-size", "4"], "global batch size (10) must be divisible"),
     (["--tensor-parallel-size", "3"], "world size 1 is not divisible by tensor x context x pipeline parallel size (3 x 1 x 1 = 3)"),
     (["--input", "/nonexistent/tinyshakespeare.txt", "--data-dir", "/tmp/numpitron-no-such-dir"], "/nonexistent"),
@@ -63,6 +64,13 @@ def test_bad_input_is_one_line_and_nonzero(args, message):
     result = run(args + ["--max-iters", "1", "--no-progress"])
     assert result.returncode != 0
     assert message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_zero3_with_a_pipeline_is_refused_in_one_line():
+    result = run(["--pipeline-parallel-size", "2", "--zero-stage", "3", "--no-progress"], nprocs=2, timeout=30)
+    assert result.returncode != 0
+    assert "again for every micro-batch" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
