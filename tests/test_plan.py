@@ -24,6 +24,7 @@ def measured_and_planned(**layout):
 
 
 LAYOUTS_2 = [dict(), dict(data=2), dict(data=2, zero_stage=1), dict(data=2, zero_stage=2), dict(data=2, zero_stage=3),
+             dict(data=2, zero_stage=3, overlap_grad_reduce=False),
              dict(tensor=2), dict(tensor=2, sequence_parallel=True),
              dict(tensor=2, recompute="full"), dict(pipeline=2, schedule="gpipe"), dict(pipeline=2),
              dict(context=2), dict(context=2, recompute="selective")]

@@ -13,7 +13,7 @@ from tests.harness import assert_on_every_rank, make_trainer, tiny_model, tiny_t
 from tests.test_equivalence import check_mesh, mesh_id
 
 TWO_RANKS = [dict(data=2, zero_stage=2, bucket_size=2000), dict(data=2, zero_stage=3),
-             dict(data=2, zero_stage=2, overlap_grad_reduce=False), dict(data=2, zero_stage=3, recompute="full")]
+             dict(data=2, zero_stage=2, overlap_grad_reduce=False), dict(data=2, zero_stage=3, recompute="full", overlap_grad_reduce=False)]
 FOUR_RANKS = [dict(data=4, zero_stage=2), dict(data=4, zero_stage=3), dict(tensor=2, data=2, zero_stage=2),
               dict(tensor=2, data=2, zero_stage=3, bucket_size=1000), dict(pipeline=2, data=2, zero_stage=2),
               dict(context=2, data=2, zero_stage=3), dict(tensor=2, data=2, zero_stage=2, sequence_parallel=True),

@@ -62,6 +62,7 @@ class ZeroThreeOptimizer(ZeroOneOptimizer):
     def __init__(self, store, topo, train_cfg, parallel_cfg):
         super().__init__(store, topo, train_cfg, parallel_cfg)
         self.param_shard = store.data[self.lo:self.hi].copy()
+        self.overlap = parallel_cfg.overlap_grad_reduce
         self.gatherer = None
         store.free_buffers()          # from now on only the slices above exist
 
@@ -106,6 +107,9 @@ class LayerGatherer:
     def __init__(self, model, optimizer):
         store = model.store
         self.opt, self.dp, self.store = optimizer, optimizer.topo.dp_cp_comm, store
+        # --no-overlap-grad-reduce: no prefetch, and each reduce-scatter waited for at once
+        # (the reference against which benchmarks/zero_stages.py measures the overlap).
+        self.overlap = optimizer.overlap
         in_blocks = {id(p) for layer in model.block_layers for p in layer.parameters()}
         self.units = {ROOT: Unit([p for p in store.params if id(p) not in in_blocks], store.offsets,
                                  store.numel, store.size)}
@@ -140,7 +144,7 @@ class LayerGatherer:
         self._free(unit)
         if unit != ROOT:
             started = self._reduce_scatter(self.grads.pop(unit), self.units[unit])
-            self._drain(keep=started)       # at most one layer's gradients in flight
+            self._drain(keep=started if self.overlap else 0)   # at most one layer's in flight
 
     # -- parameters ----------------------------------------------------------------
 
@@ -156,7 +160,7 @@ class LayerGatherer:
         self.params[unit] = (buffers, pending)
 
     def _prefetch(self, index: int) -> None:
-        if 0 <= index < len(self.unit_of_layer) and self.unit_of_layer[index] not in self.params:
+        if self.overlap and 0 <= index < len(self.unit_of_layer) and self.unit_of_layer[index] not in self.params:
             self._gather(self.unit_of_layer[index])
 
     def _use(self, unit: int) -> None:

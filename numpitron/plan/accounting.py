@@ -74,7 +74,8 @@ def state_bytes(model, parallel, rank: Rank) -> dict:
     a 1/g gradient slice), the gradients too (stage 2), and the parameters (stage 3).
     Alive only during a pass: the whole gradient buffer (stage 2), the gathered layers
     and their gradients (stage 3: the root, and two blocks, one computing while the
-    next is prefetched or the last is reduce-scattered). The peak is the sum."""
+    next is prefetched or the last is reduce-scattered; one without overlap). The peak
+    is the sum."""
     item, group, stage = (8 if model.dtype == "float64" else 4), rank.dp * rank.cp, parallel.zero_stage
     size = parameter_elements(model, rank)[0]
     if stage == 0:
@@ -83,7 +84,8 @@ def state_bytes(model, parallel, rank: Rank) -> dict:
     padded = pad_to_multiple(size, group)
     shard = padded // group
     blocks = model.n_layers // rank.pp
-    in_pass = padded - blocks * block_elements(model, rank.tp) + min(2, blocks) * block_elements(model, rank.tp)
+    whole = min(2 if parallel.overlap_grad_reduce else 1, blocks)        # no prefetch: one at a time
+    in_pass = padded - blocks * block_elements(model, rank.tp) + whole * block_elements(model, rank.tp)
     return {"params": (shard if stage == 3 else padded) * item,
             "grads": (shard + (padded if stage == 1 else 0)) * item,
             "optimizer_state": 2 * shard * item,
