@@ -97,11 +97,9 @@ def _load_training_state(path: Path, trainer) -> dict:
         if not isinstance(manifest[key], int) or manifest[key] < 0:
             raise UserError(f"corrupt checkpoint manifest in {path}: {key} is {manifest[key]!r}")
     reader = TensorReader(path, manifest, KINDS)
-    store = trainer.model.store
     # Everything is read into fresh buffers first: a failure leaves the trainer untouched.
     flats = {kind: _full_stage_buffer(reader, kind, trainer.model) for kind in KINDS}
-    store.data[...] = flats["params"]
-    trainer.optimizer.load_moments(flats["adam_m"], flats["adam_v"], manifest["adam_step"])
+    trainer.optimizer.load_flat(lambda kind, lo, hi: flats[kind][lo:hi], manifest["adam_step"])
     trainer.iteration = manifest["iteration"]
     best = manifest.get("best_val_loss")
     trainer.best_val_loss = math.inf if best is None else float(best)

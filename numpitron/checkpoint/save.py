@@ -31,9 +31,10 @@ def save_checkpoint(root, trainer, keep: int = 2, protect: Path | None = None, e
     """
     if keep < 1:
         raise UserError(f"keep must be at least 1 checkpoint, got {keep}")
-    root, topo, store = Path(root), trainer.topo, trainer.model.store
-    m, v = trainer.optimizer.full_moments()          # collective over dp (ZeRO-1)
-    full = gather_full(trainer.model, topo, {"params": store.data, "adam_m": m, "adam_v": v})
+    root, topo = Path(root), trainer.topo
+    m, v = trainer.optimizer.full_moments()          # collective over dp (ZeRO-1 to 3)
+    params = trainer.optimizer.full_params()         # collective over dp (ZeRO-3)
+    full = gather_full(trainer.model, topo, {"params": params, "adam_m": m, "adam_v": v})
     status = None
     if topo.rank == 0:
         try:
