@@ -77,8 +77,9 @@ def report(result: dict) -> str:
     for s in result["stages"]:
         t = s["time_s"]
         lines.append(f"  stage {s['stage']}: params {s['params'] / 2**20:.1f} MiB, grads {s['grads'] / 2**20:.1f} MiB, "
-                     f"optimizer {s['optimizer_state'] / 2**20:.1f} MiB, activations {s['activations_peak'] / 2**20:.1f} MiB"
-                     f" (peak total {s['total_peak'] / 2**20:.1f} MiB)")
+                     f"optimizer {s['optimizer_state'] / 2**20:.1f} MiB, "
+                     f"in-pass {(s['gathered_params_peak'] + s['backward_grads_peak']) / 2**20:.1f} MiB, "
+                     f"activations {s['activations_peak'] / 2**20:.1f} MiB (peak total {s['total_peak'] / 2**20:.1f} MiB)")
         lines.append("    bytes per iteration: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in s["comm_bytes"].items()))
         lines.append(f"    time: matmul {1e3 * t['matmul']:.1f} ms, element-wise {1e3 * t['elementwise']:.1f} ms, "
                      f"exposed communication {1e3 * t['exposed_comm']:.2f} ms, optimizer {1e3 * t['optimizer']:.2f} ms")
