@@ -18,6 +18,8 @@ from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
 from numpitron.model import GPTStage
 from numpitron.checkpoint.prune import OWNER_MARKER
+from numpitron.checkpoint.save import checkpoint_fields, write_checkpoint
+from numpitron.distributed.gather import gather_full
 from numpitron.trainer import Trainer
 from tests.harness import SMALLER, train_steps, make_trainer as harness_trainer, tiny_model
 
@@ -26,6 +28,7 @@ TRAIN = TrainConfig(micro_batch_size=2, global_batch_size=4, max_iters=10, warmu
                     eval_iters=1, eval_interval=1)
 TOKENS = np.random.default_rng(0).integers(0, 65, 5000).astype(np.uint16)
 REPO = Path(__file__).resolve().parents[1]
+SHARD = "shards/rank-00000.bin"
 
 
 def make_trainer(model_cfg=MODEL) -> Trainer:
@@ -48,6 +51,18 @@ def copy_of(saved, tmp_path):
     path = tmp_path / "ckpt" / saved[0].name
     shutil.copytree(saved[0], path)
     return path
+
+
+def write_format1(root: Path, trainer) -> Path:
+    """A checkpoint as versions before sharded checkpoints wrote it (one .npy per tensor)."""
+    m, v = trainer.optimizer.full_moments()
+    full = gather_full(trainer.model, trainer.topo, {"params": trainer.optimizer.full_params(), "adam_m": m, "adam_v": v})
+    return write_checkpoint(root, trainer.iteration, full, checkpoint_fields(trainer))
+
+
+@pytest.fixture
+def format1_copy(saved, tmp_path):
+    return write_format1(tmp_path / "format1", saved[1])
 
 
 def rewrite_manifest(path: Path, edit) -> None:
@@ -96,16 +111,29 @@ def test_round_trip_continues_like_an_uninterrupted_run(tmp_path):
 def test_manifest_and_tensors_have_full_logical_shapes(saved):
     path, trainer = saved
     manifest = read_manifest(path)
-    assert manifest["format_version"] == 1 and manifest["adam_step"] == 3 and manifest["best_val_loss"] == 3.25
+    assert manifest["format_version"] == 2 and manifest["adam_step"] == 3 and manifest["best_val_loss"] == 3.25
     assert manifest["data_state"] == {"sampler": "seeded-per-iteration", "seed": 1, "next_iteration": 3}
     assert manifest["mesh"] == {"tensor": 1, "pipeline": 1, "data": 1, "context": 1} and manifest["parallel_config"]["zero_stage"] == 0
     names = [p.name for p in trainer.model.parameters()]
-    assert set(manifest["tensors"]) == {f"{k}/{n}.npy" for k in ("params", "adam_m", "adam_v") for n in names}
-    for relpath, entry in manifest["tensors"].items():
-        array = np.load(path / relpath, allow_pickle=False)
-        assert array.dtype == np.float64 and list(array.shape) == entry["shape"]
-    assert manifest["tensors"]["params/embedding.token.weight.npy"]["shape"] == [65, 32]
+    assert set(manifest["tensors"]) == set(names)
+    assert manifest["tensors"]["embedding.token.weight"] == {"shape": [65, 32], "full_shape": [65, 32],
+                                                             "split_axis": 0, "dtype": "float64"}
+    # One process writes one file, and its pieces are every tensor's every element, back to back.
+    assert list(manifest["files"]) == ["shards/rank-00000.bin"]
+    size = sum(np.prod(trainer.model.store.by_name[n].logical_shape) for n in names) * 3 * 8
+    assert manifest["files"]["shards/rank-00000.bin"]["bytes"] == size == (path / "shards/rank-00000.bin").stat().st_size
+    assert {(p["kind"], p["name"]) for p in manifest["pieces"]} == {(k, n) for k in ("params", "adam_m", "adam_v") for n in names}
     assert (path.parent / "latest").read_text().strip() == path.name
+
+
+def test_format1_checkpoints_still_load_and_export(format1_copy, saved, tmp_path):
+    assert read_manifest(format1_copy)["format_version"] == 1
+    resumed = make_trainer()
+    load_checkpoint(format1_copy, resumed)
+    assert np.array_equal(resumed.model.store.data, saved[1].model.store.data)
+    assert np.array_equal(resumed.optimizer.adam.v, saved[1].optimizer.adam.v)
+    with np.load(export_npz(format1_copy, tmp_path / "w.npz")) as old, np.load(export_npz(saved[0], tmp_path / "n.npz")) as new:
+        assert all(np.array_equal(old[k], new[k]) for k in new.files if k != "__model_config__")
 
 
 def test_latest_ignores_crash_leftovers_and_the_next_save_removes_only_its_own(tmp_path):
@@ -172,33 +200,40 @@ def test_model_config_mismatch_names_every_field(saved):
                            replace(MODEL, n_heads=4))
 
 
-def test_truncated_tensor_is_refused(copy_of):
-    target = copy_of / "adam_v" / "blocks.1.mlp.fc.weight.npy"
-    target.write_bytes(target.read_bytes()[:-100])
-    expect_load_error(copy_of, "adam_v/blocks.1.mlp.fc.weight.npy", "bytes", "truncated")
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_truncated_tensor_is_refused(copy_of, format1_copy, fmt):
+    path, relpath = (format1_copy, "adam_v/blocks.1.mlp.fc.weight.npy") if fmt == 1 else (copy_of, SHARD)
+    (path / relpath).write_bytes((path / relpath).read_bytes()[:-100])
+    expect_load_error(path, relpath, "bytes", "truncated")
 
 
-def test_flipped_byte_fails_the_checksum(copy_of):
-    target = copy_of / "params" / "ln_f.weight.npy"
-    data = bytearray(target.read_bytes())
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_flipped_byte_fails_the_checksum(copy_of, format1_copy, fmt):
+    path, relpath = (format1_copy, "params/ln_f.weight.npy") if fmt == 1 else (copy_of, SHARD)
+    data = bytearray((path / relpath).read_bytes())
     data[-3] ^= 0x01
-    target.write_bytes(bytes(data))
-    expect_load_error(copy_of, "params/ln_f.weight.npy", "fails its crc32 checksum")
+    (path / relpath).write_bytes(bytes(data))
+    expect_load_error(path, relpath, "fails its crc32 checksum")
 
 
 def test_newer_format_version_is_refused(copy_of):
-    rewrite_manifest(copy_of, lambda m: m.update(format_version=2))
+    rewrite_manifest(copy_of, lambda m: m.update(format_version=3))
     message = expect_load_error(copy_of)
-    assert message == "checkpoint format version 2 is newer than this numpitron supports (1); upgrade numpitron"
+    assert message == "checkpoint format version 3 is newer than this numpitron supports (2); upgrade numpitron"
 
 
-def test_object_array_that_needs_pickle_is_refused(copy_of):
-    relpath = "params/ln_f.bias.npy"
+def test_object_array_that_needs_pickle_is_refused(format1_copy):
+    relpath, copy_of = "params/ln_f.bias.npy", format1_copy
     np.save(copy_of / relpath, np.array([{"evil": 1}] * 32, dtype=object), allow_pickle=True)
     # Size and checksum updated, so only the pickle check can object.
     size, crc = (copy_of / relpath).stat().st_size, file_checksum(copy_of / relpath)
     rewrite_manifest(copy_of, lambda m: m["tensors"][relpath].update(bytes=size, crc32=crc))
     expect_load_error(copy_of, relpath, "would need pickle; refusing to load")
+
+
+def test_pieces_that_leave_a_hole_are_refused(copy_of):
+    rewrite_manifest(copy_of, lambda m: m["pieces"][5].update(stop=m["pieces"][5]["stop"] - 1))
+    expect_load_error(copy_of, "cover", "elements")
 
 
 def test_missing_or_broken_manifest_is_refused(copy_of, tmp_path):
@@ -209,9 +244,11 @@ def test_missing_or_broken_manifest_is_refused(copy_of, tmp_path):
     expect_load_error(tmp_path / "no-such-dir", "checkpoint not found")
 
 
-def test_missing_tensor_file_is_refused(copy_of):
-    (copy_of / "adam_m" / "embedding.position.weight.npy").unlink()
-    expect_load_error(copy_of, "adam_m/embedding.position.weight.npy is missing")
+def test_missing_tensor_file_is_refused(copy_of, format1_copy):
+    (format1_copy / "adam_m" / "embedding.position.weight.npy").unlink()
+    expect_load_error(format1_copy, "adam_m/embedding.position.weight.npy is missing")
+    (copy_of / SHARD).unlink()
+    expect_load_error(copy_of, f"{SHARD} is missing (one rank's shard)")
 
 
 def test_load_model_weights_restores_parameters_only(saved):

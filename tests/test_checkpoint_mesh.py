@@ -73,8 +73,12 @@ def test_tp2_pp2_checkpoint_resumes_on_dp4_zero1_and_tp2_dp2_zero1(shared_dir):
     assert path == shared_dir / "iter_000003" and latest_checkpoint(shared_dir) == path
     manifest = read_manifest(path)
     assert (manifest["mesh"]["tensor"], manifest["mesh"]["pipeline"]) == (2, 2)
-    # The vocabulary is padded to 66 rows on tp=2; the file holds the logical 65.
-    assert manifest["tensors"]["params/embedding.token.weight.npy"]["shape"] == [65, 32]
+    # The vocabulary is padded to 66 rows on tp=2; the manifest records both shapes.
+    assert manifest["tensors"]["embedding.token.weight"]["shape"] == [65, 32]
+    assert manifest["tensors"]["embedding.token.weight"]["full_shape"] == [66, 32]
+    # Every rank wrote its own shard: four files, each with something in it.
+    assert sorted(manifest["files"]) == [f"shards/rank-{r:05d}.bin" for r in range(4)]
+    assert all(entry["bytes"] > 0 for entry in manifest["files"].values())
 
     for mesh in (dict(data=4, zero_stage=1, micro_batch_size=1), dict(tensor=2, data=2, zero_stage=1)):
         resumed = mesh_trainer(**mesh)
@@ -143,3 +147,25 @@ def test_zero3_checkpoint_resumes_on_one_process_and_back(shared_dir):
     load_checkpoint(latest_checkpoint(shared_dir / "from-one"), resumed)
     assert resumed.iteration == 3
     assert rel_diff(train_steps(resumed, 3, TOKENS), expected[3:]) <= EQUIV_RTOL_FLOAT64
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_a_stage_reads_only_the_shards_that_hold_its_tensors(shared_dir, monkeypatch):
+    """pp = 2: each rank writes its own stage; on loading, the first stage maps only its
+    own shard, and the last stage its own and the first's (for the tied embedding)."""
+    from numpitron.checkpoint.sharded import ShardedReader
+    source = mesh_trainer(pipeline=2)
+    train_steps(source, 2, TOKENS)
+    path = save_checkpoint(shared_dir, source)
+    opened = []
+    original = ShardedReader._file
+
+    def spy(self, relpath):
+        opened.append(relpath)
+        return original(self, relpath)
+    monkeypatch.setattr(ShardedReader, "_file", spy)
+    resumed = mesh_trainer(pipeline=2)
+    load_checkpoint(path, resumed)
+    expected = {"shards/rank-00000.bin"} | ({"shards/rank-00001.bin"} if MPI.COMM_WORLD.rank == 1 else set())
+    assert set(opened) == expected
+    assert np.array_equal(resumed.optimizer.full_params(), source.optimizer.full_params())

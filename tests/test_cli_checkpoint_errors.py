@@ -5,10 +5,8 @@ checkpoint on disk is left as it was."""
 import json
 import shutil
 
-import numpy as np
 import pytest
 
-from numpitron.checkpoint.manifest import file_checksum
 from tests.test_cli import TINY, run, train
 
 
@@ -32,34 +30,34 @@ def edit_manifest(ckpt, edit):
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
 
+SHARD = "shards/rank-00000.bin"
+
+
 def truncate(ckpt):
-    target = ckpt / "params" / "ln_f.weight.npy"
+    target = ckpt / SHARD
     target.write_bytes(target.read_bytes()[:-16])
 
 
 def flip_a_byte(ckpt):
-    target = ckpt / "params" / "blocks.0.mlp.fc.weight.npy"
+    target = ckpt / SHARD
     raw = bytearray(target.read_bytes())
     raw[-5] ^= 0x10
     target.write_bytes(bytes(raw))
+
+
+def lose_a_shard(ckpt):
+    (ckpt / SHARD).unlink()
 
 
 def newer_format(ckpt):
     edit_manifest(ckpt, lambda m: m.update(format_version=m["format_version"] + 1))
 
 
-def needs_pickle(ckpt):
-    relpath = "params/ln_f.bias.npy"
-    np.save(ckpt / relpath, np.array([object()] * 32, dtype=object), allow_pickle=True)
-    size, crc = (ckpt / relpath).stat().st_size, file_checksum(ckpt / relpath)
-    edit_manifest(ckpt, lambda m: m["tensors"][relpath].update(bytes=size, crc32=crc))
-
-
 DAMAGE = {
     "truncated": (truncate, "(truncated or overwritten?)"),
     "checksum": (flip_a_byte, "fails its crc32 checksum"),
     "newer-format": (newer_format, "is newer than this numpitron supports"),
-    "pickle": (needs_pickle, "would need pickle; refusing to load"),
+    "missing-shard": (lose_a_shard, "is missing (one rank's shard)"),
 }
 
 

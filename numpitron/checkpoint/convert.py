@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from numpitron.checkpoint.load import TensorReader
+from numpitron.checkpoint.load import open_reader
 from numpitron.checkpoint.manifest import TMP_PREFIX, read_manifest
 from numpitron.checkpoint.save import write_checkpoint
 from numpitron.config import ModelConfig, ParallelConfig, from_dict, to_dict
@@ -29,8 +29,8 @@ def export_npz(checkpoint_dir, out_file) -> Path:
     """Write the checkpoint's (verified) parameters to `out_file`, exactly that name."""
     checkpoint_dir, out_file = Path(checkpoint_dir), Path(out_file)
     manifest = read_manifest(checkpoint_dir)
-    reader = TensorReader(checkpoint_dir, manifest, ("params",))
-    arrays = {name: np.asarray(reader.arrays[f"params/{name}.npy"]) for name in reader.names("params")}
+    reader = open_reader(checkpoint_dir, manifest, ("params",))
+    arrays = {name: np.asarray(reader.full("params", name)) for name in reader.names("params")}
     if not arrays:
         raise UserError(f"checkpoint {checkpoint_dir} holds no parameters")
     arrays[CONFIG_KEY] = np.array(json.dumps(manifest["model_config"]))

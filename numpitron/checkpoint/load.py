@@ -1,8 +1,11 @@
 """Loading checkpoints onto any mesh.
 
-Every rank reads the files itself: each tensor is memory-mapped and the rank cuts
-its own shard out of it (`fill_from_full`), so the mesh that wrote the checkpoint
-does not matter. Nothing is trusted before it is checked against the manifest.
+Every rank reads the files itself and asks only for the parts of its stage's flat
+buffers it keeps (`load_flat`): a reader rebuilds each logical tensor those overlap
+(format 2: from the shards' pieces; format 1: one .npy each, memory-mapped) and the
+rank cuts its own slice out of it (`sharded.stage_range`), so the mesh that wrote the
+checkpoint does not matter. Nothing is trusted before it is checked against the
+manifest.
 """
 
 import math
@@ -13,9 +16,9 @@ import numpy as np
 
 from numpitron.checkpoint.manifest import (KINDS, LATEST_NAME, is_complete, iter_dirs, iteration_of,
                                            read_manifest, tensor_relpath, verify_tensor_file)
+from numpitron.checkpoint.sharded import ShardedReader, stage_range
 from numpitron.config import ModelConfig
 from numpitron.distributed.agree import on_every_rank
-from numpitron.distributed.gather import fill_from_full
 from numpitron.errors import UserError
 
 
@@ -76,18 +79,28 @@ class TensorReader:
         prefix, suffix = f"{kind}/", ".npy"
         return [r[len(prefix):-len(suffix)] for r in self.arrays if r.startswith(prefix) and r.endswith(suffix)]
 
+    def full(self, kind: str, name: str) -> np.ndarray:
+        relpath = tensor_relpath(kind, name)
+        if relpath not in self.arrays:
+            raise UserError(f"corrupt checkpoint {self.path}: the manifest lists no {relpath}")
+        return self.arrays[relpath]
+
     def getter(self, kind: str, dtype):
-        """get(name) -> the full logical tensor, cast to `dtype` (as fill_from_full wants)."""
+        """get(name) -> the full logical tensor, cast to `dtype`."""
         def get(name):
-            relpath = tensor_relpath(kind, name)
-            if relpath not in self.arrays:
-                raise UserError(f"corrupt checkpoint {self.path}: the manifest lists no {relpath}")
-            array = np.asarray(self.arrays[relpath], dtype=dtype)
+            array = np.asarray(self.full(kind, name), dtype=dtype)
             if not np.all(np.isfinite(array)):
-                raise UserError(f"corrupt checkpoint {self.path}: {relpath} holds NaN or infinite values; "
+                raise UserError(f"corrupt checkpoint {self.path}: {tensor_relpath(kind, name)} holds NaN or infinite values; "
                                 f"refusing to load it")
             return array
         return get
+
+
+def open_reader(path: Path, manifest: dict, kinds):
+    """The reader of the checkpoint's format: both serve getter(kind, dtype)."""
+    if manifest["format_version"] >= 2:
+        return ShardedReader(path, manifest)
+    return TensorReader(path, manifest, kinds)
 
 
 def _load_training_state(path: Path, trainer) -> dict:
@@ -96,10 +109,12 @@ def _load_training_state(path: Path, trainer) -> dict:
     for key in ("iteration", "adam_step"):
         if not isinstance(manifest[key], int) or manifest[key] < 0:
             raise UserError(f"corrupt checkpoint manifest in {path}: {key} is {manifest[key]!r}")
-    reader = TensorReader(path, manifest, KINDS)
+    reader = open_reader(path, manifest, KINDS)
     # Everything is read into fresh buffers first: a failure leaves the trainer untouched.
-    flats = {kind: _full_stage_buffer(reader, kind, trainer.model) for kind in KINDS}
-    trainer.optimizer.load_flat(lambda kind, lo, hi: flats[kind][lo:hi], manifest["adam_step"])
+    get = {kind: reader.getter(kind, trainer.model.store.dtype) for kind in KINDS}
+    wanted = {(kind, lo, hi): stage_range(trainer.model, lo, hi, get[kind])
+              for kind, lo, hi in trainer.optimizer.loaded_ranges()}
+    trainer.optimizer.load_flat(lambda kind, lo, hi: wanted[kind, lo, hi], manifest["adam_step"])
     trainer.iteration = manifest["iteration"]
     best = manifest.get("best_val_loss")
     trainer.best_val_loss = math.inf if best is None else float(best)
@@ -110,18 +125,6 @@ def _load_weights(path: Path, model, expected_model_cfg) -> dict:
     manifest = read_manifest(path)
     if expected_model_cfg is not None:
         check_model_config(manifest, expected_model_cfg)
-    reader = TensorReader(path, manifest, ("params",))
-    model.store.data[...] = _full_stage_buffer(reader, "params", model)
+    reader = open_reader(path, manifest, ("params",))
+    model.store.data[...] = stage_range(model, 0, model.store.size, reader.getter("params", model.store.dtype))
     return manifest
-
-
-def _full_stage_buffer(reader: TensorReader, kind: str, model) -> np.ndarray:
-    """A flat buffer laid out like model.store.data holding this rank's shards of `kind`.
-    The last stage's tied head asks for embedding.token.weight like the first: one file."""
-    store = model.store
-    flat = np.zeros(store.size, store.dtype)
-    try:
-        fill_from_full(model, flat, reader.getter(kind, store.dtype))
-    except ValueError as error:
-        raise UserError(f"checkpoint {reader.path} does not fit this model: {error}") from None
-    return flat

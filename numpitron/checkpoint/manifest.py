@@ -2,11 +2,13 @@
 
     ROOT/latest                      text: the name of the newest checkpoint directory
     ROOT/iter_000123/manifest.json   written last: a directory without it is incomplete
-    ROOT/iter_000123/params/<name>.npy, adam_m/<name>.npy, adam_v/<name>.npy
 
-Every .npy holds one full logical tensor (unpadded, unsharded), so the files do not
-depend on the mesh that wrote them. The manifest records each file's shape, dtype,
-size and CRC-32, and every reader checks all four before trusting a byte of it.
+Format 2 (what training writes; sharded.py): ROOT/iter_000123/shards/rank-NNNNN.bin,
+one file per writing rank, and a manifest that maps their bytes to slices of logical
+tensors. Format 1 (what import_npz writes, and older versions did; still read):
+ROOT/iter_000123/params/<name>.npy, adam_m/<name>.npy, adam_v/<name>.npy, one full
+logical tensor each. Either way the manifest records every file's size and CRC-32,
+and a reader checks them before trusting a byte of it.
 """
 
 import json
@@ -19,7 +21,7 @@ import numpy as np
 from numpitron.checksum import file_crc32 as file_checksum
 from numpitron.errors import UserError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
 TMP_PREFIX = ".tmp-"                 # anything named so in ROOT is a leftover of a crash

@@ -33,7 +33,8 @@ def written_by_us(path: Path) -> bool:
         manifest = read_manifest(path)
     except UserError:
         return False
-    listed = set(manifest["tensors"]) | {MANIFEST_NAME, OWNER_MARKER}
+    files = manifest.get("files") if manifest["format_version"] >= 2 else manifest["tensors"]
+    listed = set(files or {}) | {MANIFEST_NAME, OWNER_MARKER}
     found = {str(p.relative_to(path)) for p in path.rglob("*") if not p.is_dir()}
     return found <= listed
 

@@ -1,10 +1,10 @@
-"""Writing checkpoints: gather full tensors to world rank 0, write them atomically.
+"""Writing checkpoints atomically: every rank its own shard, in parallel.
 
-Rank 0 writes into `ROOT/.tmp-<name>-<pid>`, fsyncs every file, writes the manifest
-last, then renames the directory into place: a crash at any moment leaves either
-the previous checkpoint or the new one, never half of one. Leftover temporaries
-are removed by the next save, and old checkpoints pruned (prune.py) only when this
-library can show it wrote them.
+All ranks write into `ROOT/.tmp-<name>-<pid>` and fsync; world rank 0 writes the
+manifest last, then renames the directory into place: a crash at any moment leaves
+either the previous checkpoint or the new one, never half of one. Leftover
+temporaries are removed by the next save, and old checkpoints pruned (prune.py) only
+when this library can show it wrote them.
 """
 
 import os
@@ -17,41 +17,85 @@ import numpy as np
 from numpitron.checkpoint.manifest import (FORMAT_VERSION, LATEST_NAME, MANIFEST_NAME, TMP_PREFIX,
                                            describe_tensor_file, iter_dir_name, tensor_relpath, write_json_synced)
 from numpitron.checkpoint.prune import OWNER_MARKER, prune_checkpoints
+from numpitron.checkpoint.sharded import SHARDS, merge_rank_tables, write_rank_shard
 from numpitron.config import to_dict
-from numpitron.distributed.gather import gather_full
 from numpitron.errors import UserError
 
 
 def save_checkpoint(root, trainer, keep: int = 2, protect: Path | None = None, extra: dict | None = None) -> Path | None:
     """Collective over the world: every rank calls it and gets the checkpoint's path.
 
-    Keeps the newest `keep` checkpoints, plus `protect` (the best one so far) and the
-    one just written. `extra` (JSON-able) is stored in the manifest as it is: the
-    training loop records the tokenizer and why the checkpoint was saved. If rank 0 cannot write, every rank raises UserError.
+    Every rank writes its own shard file into one temporary directory (sharded.py;
+    across hosts that directory must be on a filesystem they share); world rank 0
+    then writes the manifest and renames the directory into place. Keeps the newest
+    `keep` checkpoints, plus `protect` (the best one so far) and the one just written.
+    `extra` (JSON-able) is stored in the manifest as it is: the training loop records
+    the tokenizer and why the checkpoint was saved. If any rank cannot write, every
+    rank raises UserError and the previous checkpoints stay as they were.
     """
     if keep < 1:
         raise UserError(f"keep must be at least 1 checkpoint, got {keep}")
-    root, topo = Path(root), trainer.topo
-    m, v = trainer.optimizer.full_moments()          # collective over dp (ZeRO-1 to 3)
-    params = trainer.optimizer.full_params()         # collective over dp (ZeRO-3)
-    full = gather_full(trainer.model, topo, {"params": params, "adam_m": m, "adam_v": v})
-    status = None
-    if topo.rank == 0:
+    root, world = Path(root), trainer.topo.world
+    tmp = None
+    if world.rank == 0:
         try:
-            path = write_checkpoint(root, trainer.iteration, full, {**checkpoint_fields(trainer), **(extra or {})})
-            prune_checkpoints(root, keep, keep_also=(path, protect))
-            status = ("ok", str(path))
+            tmp = str(_fresh_temporary(root, iter_dir_name(trainer.iteration)))
         except OSError as error:
-            status = ("error", f"cannot write checkpoint to {root}: {error}")
-        except Exception as error:
-            # A bug: the other ranks learn of it instead of hanging; rank 0 keeps the traceback.
-            topo.world.broadcast_object(("error", f"checkpoint save failed on rank 0: {error!r}"))
-            raise
-    # Doubles as the barrier: nobody returns before rank 0 has finished writing.
-    outcome, detail = topo.world.broadcast_object(status)
+            tmp = OSError(f"cannot write checkpoint to {root}: {error}")
+    tmp = world.broadcast_object(tmp)
+    if isinstance(tmp, OSError):
+        raise UserError(str(tmp))
+    try:
+        table = write_rank_shard(Path(tmp), trainer)
+    except OSError as error:
+        table = f"cannot write checkpoint to {root} (rank {world.rank}): {error}"
+    except Exception as error:       # a bug: the others learn of it instead of hanging
+        table = f"checkpoint save failed on rank {world.rank}: {error!r}"
+    tables = world.mpi.gather(table, root=0) if world.size > 1 else [table]
+    status = None
+    if world.rank == 0:
+        status = _finish(root, Path(tmp), trainer, tables, keep, protect, extra)
+    # Doubles as the barrier: nobody returns before rank 0 has installed the checkpoint.
+    outcome, detail = world.broadcast_object(status)
     if outcome != "ok":
         raise UserError(detail)
     return Path(detail)
+
+
+def _fresh_temporary(root: Path, name: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{TMP_PREFIX}{name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    (tmp / SHARDS).mkdir(parents=True)
+    (tmp / OWNER_MARKER).touch()            # proves to a later prune that this library made it
+    return tmp
+
+
+def _finish(root: Path, tmp: Path, trainer, tables: list, keep: int, protect, extra) -> tuple:
+    """World rank 0, once every rank's shard is on disk: the manifest, the rename."""
+    failures = [t for t in tables if isinstance(t, str)]
+    if failures:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return ("error", failures[0])
+    try:
+        fields = {**checkpoint_fields(trainer), **(extra or {})}
+        manifest = {"format_version": FORMAT_VERSION, **fields, **merge_rank_tables(tables),
+                    "created_unix": time.time()}
+        _fsync_dir(tmp / SHARDS)
+        write_json_synced(tmp / MANIFEST_NAME, manifest)      # last: marks the directory complete
+        _fsync_dir(tmp)
+        final = root / iter_dir_name(trainer.iteration)
+        _install(tmp, final)
+        write_latest(root, final.name)
+        prune_checkpoints(root, keep, keep_also=(final, protect))
+        return ("ok", str(final))
+    except OSError as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return ("error", f"cannot write checkpoint to {root}: {error}")
+    except Exception as error:       # a bug: the others learn of it instead of hanging
+        shutil.rmtree(tmp, ignore_errors=True)
+        return ("error", f"checkpoint save failed on rank 0: {error!r}")
 
 
 def checkpoint_fields(trainer) -> dict:
@@ -74,8 +118,9 @@ def checkpoint_fields(trainer) -> dict:
 
 
 def write_checkpoint(root: Path, iteration: int, tensors: dict, fields: dict) -> Path:
-    """Write {kind: {name: full array}} and the manifest as ROOT/iter_NNNNNN; point
-    ROOT/latest at it. Returns the directory. Needs no MPI (used by import_npz too)."""
+    """Format 1: write {kind: {name: full array}}, one .npy each, and the manifest as
+    ROOT/iter_NNNNNN; point ROOT/latest at it. Returns the directory. Needs no MPI:
+    import_npz writes its one-process checkpoints this way (every version reads it)."""
     root.mkdir(parents=True, exist_ok=True)
     name = iter_dir_name(iteration)
     tmp = root / f"{TMP_PREFIX}{name}-{os.getpid()}"
@@ -103,7 +148,7 @@ def _write_contents(directory: Path, tensors: dict, fields: dict) -> None:
             _write_npy_synced(directory / relpath, array)
             table[relpath] = describe_tensor_file(directory / relpath, array)
         _fsync_dir(directory / kind)
-    manifest = {"format_version": FORMAT_VERSION, **fields, "tensors": table, "created_unix": time.time()}
+    manifest = {"format_version": 1, **fields, "tensors": table, "created_unix": time.time()}
     write_json_synced(directory / MANIFEST_NAME, manifest)      # last: marks the directory complete
     _fsync_dir(directory)
 

@@ -14,6 +14,7 @@ the part of the stage's flat buffers it owns and reads back only what it needs:
 
     write_range() -> (lo, hi)       the slice of the stage's flat buffers this rank writes
     flat_slices(lo, hi)             {"params", "adam_m", "adam_v"}: their values on [lo, hi)
+    loaded_ranges()                 the (kind, lo, hi) it needs back
     load_flat(get_range, t)         restore from get_range(kind, lo, hi) -> values on [lo, hi)
 
 Subclasses: `parallel.data_parallel.DataParallelOptimizer` (ZeRO stage 0) and
@@ -88,6 +89,11 @@ class DistributedOptimizer:
         return {"params": self.params_range(lo, hi),
                 "adam_m": self.adam.m[lo - self.lo:hi - self.lo],
                 "adam_v": self.adam.v[lo - self.lo:hi - self.lo]}
+
+    def loaded_ranges(self) -> list[tuple[str, int, int]]:
+        """(kind, lo, hi) of every range load_flat asks for: the parameters whole (every
+        replica holds them), the moments on the slice this rank updates."""
+        return [("params", 0, self.store.size), ("adam_m", self.lo, self.hi), ("adam_v", self.lo, self.hi)]
 
     def load_flat(self, get_range, step_count: int) -> None:
         """get_range(kind, lo, hi) returns a kind's values on [lo, hi) of the stage's

@@ -82,6 +82,9 @@ class ZeroThreeOptimizer(ZeroOneOptimizer):
         self.gatherer.release_root()           # its values just changed: gather afresh
         return norm
 
+    def loaded_ranges(self) -> list[tuple[str, int, int]]:
+        return [(kind, self.lo, self.hi) for kind in ("params", "adam_m", "adam_v")]
+
     def load_flat(self, get_range, step_count: int) -> None:
         self.param_shard[...] = get_range("params", self.lo, self.hi)
         self.adam.load_state(get_range("adam_m", self.lo, self.hi), get_range("adam_v", self.lo, self.hi),

@@ -1,0 +1,170 @@
+"""Format 2: every rank writes the part of the model it owns; any mesh reads it back.
+
+    iter_000123/shards/rank-00003.bin   raw bytes of world rank 3's pieces, back to back
+    iter_000123/manifest.json           "tensors": each tensor's logical shape, padded shape,
+                                        tp split axis and dtype; "files": each shard file's
+                                        size and CRC-32; "pieces": which bytes of which
+                                        file hold which slice of which tensor
+
+A rank's pieces are its optimizer's `write_range()` of the stage's flat buffers (its
+ZeRO slice; replicas split the writing the same way), cut at parameter boundaries. A
+piece is a flat range [start, stop) of one tensor's tp-local shard (tp rank t of
+tp_size): the layout the writer held, recorded so that a reader on another mesh can
+rebuild the logical tensor. Each tensor is written once: a tp-replicated one by tp
+rank 0, the tied embedding by the first stage only.
+
+Reading (`ShardedReader`) memory-maps only the files that hold a tensor the rank
+asks for, checking each one's CRC-32 the first time; the sizes of all files are
+checked up front, so a missing or truncated shard fails on every rank alike.
+"""
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from numpitron.checksum import file_crc32
+from numpitron.errors import UserError
+from numpitron.nn.param import pad_to_full
+
+KINDS = ("params", "adam_m", "adam_v")
+SHARDS = "shards"
+
+
+def shard_relpath(world_rank: int) -> str:
+    return f"{SHARDS}/rank-{world_rank:05d}.bin"
+
+
+def written_params(model, topo):
+    """The parameters this rank writes: the first stage's tied embedding only, and a
+    tp-replicated tensor from tp rank 0 only (the others hold the same values)."""
+    from numpitron.distributed.gather import saved_params
+    return [p for p in saved_params(model) if p.split_axis is not None or topo.tp_rank == 0]
+
+
+def write_rank_shard(directory: Path, trainer) -> dict:
+    """Write this rank's pieces into directory/shards/ and fsync them. Returns what the
+    manifest needs from this rank: its tensors' layout, its file and its pieces."""
+    topo, store, optimizer = trainer.topo, trainer.model.store, trainer.optimizer
+    lo, hi = optimizer.write_range()
+    values = optimizer.flat_slices(lo, hi)
+    relpath, pieces, tensors, offset = shard_relpath(topo.rank), [], {}, 0
+    with open(directory / relpath, "wb") as f:
+        for p in written_params(trainer.model, topo):
+            a, b = store.offsets[p.name]
+            start, stop = max(a, lo), min(b, hi)
+            if start >= stop:
+                continue
+            tensors[p.name] = {"shape": list(p.logical_shape), "full_shape": list(p.full_shape),
+                               "split_axis": p.split_axis, "dtype": store.dtype.name}
+            for kind in KINDS:
+                piece = np.ascontiguousarray(values[kind][start - lo:stop - lo])
+                f.write(piece.tobytes())
+                pieces.append({"kind": kind, "name": p.name, "tp_rank": p.tp_rank, "tp_size": p.tp_size,
+                               "start": start - a, "stop": stop - a, "file": relpath, "offset": offset})
+                offset += piece.nbytes
+        f.flush()
+        os.fsync(f.fileno())
+    files = {relpath: {"bytes": offset, "crc32": file_crc32(directory / relpath), "rank": topo.rank}}
+    return {"tensors": tensors, "files": files, "pieces": pieces}
+
+
+def merge_rank_tables(tables: list[dict]) -> dict:
+    """The manifest's three tables from every rank's `write_rank_shard` result."""
+    merged = {"tensors": {}, "files": {}, "pieces": []}
+    for table in tables:
+        merged["tensors"].update(table["tensors"])
+        merged["files"].update(table["files"])
+        merged["pieces"] += table["pieces"]
+    return merged
+
+
+class ShardedReader:
+    """Serves full logical tensors of a format-2 checkpoint, reading only their pieces."""
+
+    def __init__(self, path: Path, manifest: dict):
+        self.path, self.tensors = path, manifest["tensors"]
+        self.files = manifest.get("files")
+        if not isinstance(self.files, dict) or not isinstance(manifest.get("pieces"), list):
+            raise UserError(f"corrupt checkpoint manifest in {path}: format 2 needs files and pieces")
+        self.pieces = {}
+        for piece in manifest["pieces"]:
+            self.pieces.setdefault((piece["kind"], piece["name"]), []).append(piece)
+        for relpath, entry in self.files.items():        # every rank checks every size
+            file = path / relpath
+            if not file.is_file():
+                raise UserError(f"corrupt checkpoint {path}: {relpath} is missing (one rank's shard)")
+            if file.stat().st_size != entry.get("bytes"):
+                raise UserError(f"corrupt checkpoint {path}: {relpath} has {file.stat().st_size} bytes, "
+                                f"the manifest says {entry.get('bytes')} (truncated or overwritten?)")
+        self.mapped = {}
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(name for k, name in self.pieces if k == kind)
+
+    def _file(self, relpath: str) -> np.ndarray:
+        """The shard's bytes, memory-mapped, after its checksum passed (once per file)."""
+        if relpath not in self.mapped:
+            if relpath not in self.files:
+                raise UserError(f"corrupt checkpoint manifest in {self.path}: a piece names unknown file {relpath}")
+            if file_crc32(self.path / relpath) != self.files[relpath].get("crc32"):
+                raise UserError(f"corrupt checkpoint {self.path}: {relpath} fails its crc32 checksum")
+            size = self.files[relpath]["bytes"]
+            self.mapped[relpath] = (np.memmap(self.path / relpath, np.uint8, "r") if size
+                                    else np.zeros(0, np.uint8))
+        return self.mapped[relpath]
+
+    def full(self, kind: str, name: str) -> np.ndarray:
+        """The logical tensor `name` of `kind`, rebuilt from the writers' tp shards."""
+        meta = self.tensors.get(name)
+        pieces = self.pieces.get((kind, name), [])
+        if meta is None or not pieces:
+            raise UserError(f"corrupt checkpoint {self.path}: it holds no {kind} of {name}")
+        dtype, full_shape, axis = np.dtype(meta["dtype"]), tuple(meta["full_shape"]), meta["split_axis"]
+        full = np.zeros(full_shape, dtype)
+        covered = 0
+        for tp_rank, tp_size in sorted({(p["tp_rank"], p["tp_size"]) for p in pieces}):
+            index = [slice(None)] * len(full_shape)
+            if axis is not None:
+                step = full_shape[axis] // tp_size
+                index[axis] = slice(tp_rank * step, (tp_rank + 1) * step)
+            local = full[tuple(index)].copy()
+            flat = local.reshape(-1)
+            for p in pieces:
+                if (p["tp_rank"], p["tp_size"]) == (tp_rank, tp_size):
+                    raw = self._file(p["file"])[p["offset"]:p["offset"] + (p["stop"] - p["start"]) * dtype.itemsize]
+                    flat[p["start"]:p["stop"]] = raw.view(dtype)
+                    covered += p["stop"] - p["start"]
+            full[tuple(index)] = local
+        if covered != full.size:
+            raise UserError(f"corrupt checkpoint {self.path}: the pieces of {kind} {name} cover {covered} of "
+                            f"{full.size} elements")
+        return full[tuple(slice(0, n) for n in meta["shape"])]
+
+    def getter(self, kind: str, dtype):
+        def get(name):
+            array = self.full(kind, name).astype(dtype, copy=False)
+            if not np.all(np.isfinite(array)):
+                raise UserError(f"corrupt checkpoint {self.path}: {kind} {name} holds NaN or infinite values; "
+                                f"refusing to load it")
+            return array
+        return get
+
+
+def stage_range(model, lo: int, hi: int, get_full) -> np.ndarray:
+    """Values on [lo, hi) of this rank's stage flat buffer (zeros at padding), asking
+    get_full(name) only for the parameters that overlap the range."""
+    store = model.store
+    flat = np.zeros(hi - lo, store.dtype)
+    for p in store.params:
+        a, b = store.offsets[p.name]
+        start, stop = max(a, lo), min(b, hi)
+        if start >= stop:
+            continue
+        full = np.asarray(get_full(p.name))
+        if full.shape != p.logical_shape:
+            raise UserError(f"checkpoint does not fit this model: {p.name} has shape {full.shape}, "
+                            f"expected {p.logical_shape}")
+        local = pad_to_full(full, p.full_shape)[p.tp_slice()].reshape(-1)
+        flat[start - lo:stop - lo] = local[start - a:stop - a]
+    return flat
