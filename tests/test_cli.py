@@ -110,7 +110,7 @@ def test_resume_without_checkpoint_is_an_error(data_dir, tmp_path):
 
 def test_corrupt_checkpoint_on_resume_is_one_line_on_two_ranks(data_dir, tmp_path):
     assert train(data_dir, tmp_path, "--max-iters", "5").returncode == 0
-    victim = sorted((tmp_path / "checkpoints").glob("iter_*/params/*.npy"))[0]
+    victim = sorted((tmp_path / "checkpoints").glob("iter_*/shards/rank-*.bin"))[0]
     raw = bytearray(victim.read_bytes())
     raw[-1] ^= 0xFF
     victim.write_bytes(bytes(raw))
