@@ -4,22 +4,48 @@
                              optimizer may start reducing them over dp at once
     step(lr) -> grad norm    finish averaging gradients over dp, clip by the global
                              norm, apply AdamW to the slice [lo, hi) this rank updates
-    full_moments()           Adam's m and v laid out like the stage's flat buffer
+    full_moments()           Adam's m and v laid out like the store's flat buffer
     load_moments(m, v, t)    the inverse (checkpoints)
     state_nbytes()           bytes of optimizer state on this rank
 
+`step` is three phases, so that optimizers of several stores (the dense parameters
+and the experts, averaged over different groups) clip by one global norm together
+(`step_together`): reduce_grads(), grad_sumsq() (the squared norm of the store's
+gradient over every rank), update(lr, norm).
+
 Subclasses: `parallel.data_parallel.DataParallelOptimizer` (ZeRO stage 0) and
-`parallel.zero.ZeroOneOptimizer`; `parallel.optimizer.make_optimizer` picks one.
+`parallel.zero.ZeroOneOptimizer`; `parallel.optimizer.make_optimizers` picks them.
 """
 
+import math
+from typing import NamedTuple
+
 from numpitron.optim.adamw import AdamW
+
+
+class GradientGroup(NamedTuple):
+    """Who shares a store's parameters, and so its gradient reduction."""
+    comm: object          # the replicas, averaged over (dp x cp; for experts the dp/ep expert_dp ranks)
+    batch_ranks: int      # data-parallel ranks whose tokens the summed gradient covers: the divisor
+    replica_comm: object  # ranks holding one whole copy of the store between them: the ZeRO-0 norm
+
+    @classmethod
+    def dense(cls, topo) -> "GradientGroup":
+        return cls(topo.dp_cp_comm, topo.dp_cp, topo.model_comm)
+
+    @classmethod
+    def experts(cls, topo) -> "GradientGroup":
+        """An expert's gradient already sums the tokens of its ep group (they came to it
+        by all-to-all); summed over expert_dp it covers all dp ranks' tokens."""
+        return cls(topo.expert_dp_comm, topo.dp_cp, topo.expert_model_comm)
 
 
 class DistributedOptimizer:
     zero_stage = None
 
-    def __init__(self, store, topo, train_cfg, lo: int, hi: int):
+    def __init__(self, store, topo, train_cfg, lo: int, hi: int, group: GradientGroup | None = None):
         self.store, self.topo, self.train_cfg = store, topo, train_cfg
+        self.group = group or GradientGroup.dense(topo)
         self.lo, self.hi = lo, hi
         self.adam = AdamW(hi - lo, store.dtype, train_cfg.beta1, train_cfg.beta2,
                           train_cfg.eps, train_cfg.weight_decay)
@@ -28,14 +54,35 @@ class DistributedOptimizer:
         """Nothing to start early (the default)."""
 
     def step(self, lr: float) -> float:
+        """Returns the global gradient norm before clipping."""
+        return step_together([self], lr)
+
+    def reduce_grads(self) -> None:
+        raise NotImplementedError
+
+    def grad_sumsq(self) -> float:
+        raise NotImplementedError
+
+    def update(self, lr: float, norm: float) -> None:
         raise NotImplementedError
 
     def full_moments(self):
         raise NotImplementedError
 
     def load_moments(self, m_full, v_full, step_count: int) -> None:
-        """m and v laid out like the stage's flat buffer: keep this rank's slice."""
+        """m and v laid out like the store's flat buffer: keep this rank's slice."""
         self.adam.load_state(m_full[self.lo:self.hi], v_full[self.lo:self.hi], step_count)
 
     def state_nbytes(self) -> int:
         return self.adam.state_nbytes
+
+
+def step_together(optimizers, lr: float) -> float:
+    """Average every store's gradients, take the norm over all of them, clip and update
+    each: one optimizer step over every parameter of the model. Returns the norm."""
+    for optimizer in optimizers:
+        optimizer.reduce_grads()
+    norm = math.sqrt(sum(optimizer.grad_sumsq() for optimizer in optimizers))
+    for optimizer in optimizers:
+        optimizer.update(lr, norm)
+    return norm

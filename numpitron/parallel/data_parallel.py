@@ -13,12 +13,13 @@ PyTorch DDP, Megatron-LM and picotron do; across hosts it hides most of the redu
 """
 
 from numpitron.optim.distributed import DistributedOptimizer
-from numpitron.optim.grad_norm import clip_, global_grad_norm
+from numpitron.optim.grad_norm import clip_, global_grad_sumsq
 
 
 class GradientBuckets:
-    def __init__(self, store, dp_comm, bucket_size: int, overlap: bool = True):
+    def __init__(self, store, dp_comm, bucket_size: int, overlap: bool = True, divisor: int | None = None):
         self.grad, self.dp, self.overlap = store.grad, dp_comm, overlap
+        self.divisor = divisor or dp_comm.size
         self.buckets = []                 # [lo, hi) of the flat buffer, last first
         names, hi = [], store.size        # the padding, if any, rides in the first bucket
         for p in reversed(store.params):
@@ -44,13 +45,14 @@ class GradientBuckets:
 
     def average(self) -> None:
         """Every bucket summed over the group (waiting for those in flight, reducing the
-        rest now), then divided by its size: the gradient of the global batch."""
+        rest now), then divided by the data-parallel ranks it covers (the group's size,
+        but for experts: docs/14-experts.md): the gradient of the global batch."""
         for index, (lo, hi, _) in enumerate(self.buckets):
             if index in self.pending:
                 self.dp.wait(self.pending[index])
             else:
                 self.dp.all_reduce(self.grad[lo:hi])
-        self.grad *= 1.0 / self.dp.size
+        self.grad *= 1.0 / self.divisor
         self.reset()
 
 
@@ -59,23 +61,24 @@ class DataParallelOptimizer(DistributedOptimizer):
 
     zero_stage = 0
 
-    def __init__(self, store, topo, train_cfg, parallel_cfg):
-        super().__init__(store, topo, train_cfg, 0, store.size)
-        self.buckets = GradientBuckets(store, topo.dp_cp_comm, parallel_cfg.bucket_size,
-                                       parallel_cfg.overlap_grad_reduce)
+    def __init__(self, store, topo, train_cfg, parallel_cfg, group=None):
+        super().__init__(store, topo, train_cfg, 0, store.size, group)
+        self.buckets = GradientBuckets(store, self.group.comm, parallel_cfg.bucket_size,
+                                       parallel_cfg.overlap_grad_reduce, self.group.batch_ranks)
 
     def grads_ready(self, params) -> None:
         self.buckets.ready(params)
 
-    def step(self, lr: float) -> float:
-        """Returns the global gradient norm before clipping."""
-        grad = self.store.grad
+    def reduce_grads(self) -> None:
         self.buckets.average()
+
+    def grad_sumsq(self) -> float:
         # Gradients are now identical across dp: the norm spans one model replica.
-        norm = global_grad_norm(grad, self.store.norm_mask, self.topo.model_comm)
-        clip_(grad, norm, self.train_cfg.grad_clip)
-        self.adam.update(self.store.data, grad, self.store.decay_mask, lr)
-        return norm
+        return global_grad_sumsq(self.store.grad, self.store.norm_mask, self.group.replica_comm)
+
+    def update(self, lr: float, norm: float) -> None:
+        clip_(self.store.grad, norm, self.train_cfg.grad_clip)
+        self.adam.update(self.store.data, self.store.grad, self.store.decay_mask, lr)
 
     def full_moments(self):
         return self.adam.m, self.adam.v

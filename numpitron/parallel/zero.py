@@ -15,31 +15,35 @@ is implemented as exactly those two phases): ZeRO-1 saves memory for free.
 import numpy as np
 
 from numpitron.distributed.sharding import shard_bounds
-from numpitron.optim.distributed import DistributedOptimizer
-from numpitron.optim.grad_norm import clip_, global_grad_norm
+from numpitron.optim.distributed import DistributedOptimizer, GradientGroup
+from numpitron.optim.grad_norm import clip_, global_grad_sumsq
 
 
 class ZeroOneOptimizer(DistributedOptimizer):
     zero_stage = 1
 
-    def __init__(self, store, topo, train_cfg, parallel_cfg=None):
-        # Sharded over dp and cp together: both hold replicas of the same parameters.
-        store.pad_to_multiple(topo.dp_cp)
-        super().__init__(store, topo, train_cfg, *shard_bounds(store.size, topo.dp_cp, topo.dp_cp_rank))
+    def __init__(self, store, topo, train_cfg, parallel_cfg=None, group=None):
+        # Sharded over the store's replicas: dp and cp together hold the same parameters
+        # (an expert store: its dp/ep expert_dp ranks).
+        dp = (group or GradientGroup.dense(topo)).comm
+        store.pad_to_multiple(dp.size)
+        super().__init__(store, topo, train_cfg, *shard_bounds(store.size, dp.size, dp.rank), group)
         self.grad_shard = np.zeros(self.hi - self.lo, store.dtype)
 
-    def step(self, lr: float) -> float:
-        dp = self.topo.dp_cp_comm
-        lo, hi = self.lo, self.hi
-        dp.reduce_scatter(self.store.grad, self.grad_shard)             # 1.
-        self.grad_shard *= 1.0 / dp.size
+    def reduce_grads(self) -> None:
+        self.group.comm.reduce_scatter(self.store.grad, self.grad_shard)     # 1.
+        self.grad_shard *= 1.0 / self.group.batch_ranks
+
+    def grad_sumsq(self) -> float:
         # 2. Slices are disjoint over dp and stages over pp; the mask handles tp.
-        norm = global_grad_norm(self.grad_shard, self.store.norm_mask[lo:hi], self.topo.world)
+        return global_grad_sumsq(self.grad_shard, self.store.norm_mask[self.lo:self.hi], self.topo.world)
+
+    def update(self, lr: float, norm: float) -> None:
+        lo, hi = self.lo, self.hi
         clip_(self.grad_shard, norm, self.train_cfg.grad_clip)
-        self.adam.update(self.store.data[lo:hi], self.grad_shard,       # 3.
+        self.adam.update(self.store.data[lo:hi], self.grad_shard,            # 3.
                          self.store.decay_mask[lo:hi], lr)
-        dp.all_gather(self.store.data)                                  # 4.
-        return norm
+        self.group.comm.all_gather(self.store.data)                          # 4.
 
     def full_moments(self):
         """Gather m and v over dp into full-stage buffers (for checkpoints only)."""
@@ -47,5 +51,5 @@ class ZeroOneOptimizer(DistributedOptimizer):
         for shard in (self.adam.m, self.adam.v):
             buf = np.zeros(self.store.size, self.store.dtype)
             buf[self.lo:self.hi] = shard
-            full.append(self.topo.dp_cp_comm.all_gather(buf))
+            full.append(self.group.comm.all_gather(buf))
         return tuple(full)
