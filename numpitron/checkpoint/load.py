@@ -97,11 +97,12 @@ def _load_training_state(path: Path, trainer) -> dict:
         if not isinstance(manifest[key], int) or manifest[key] < 0:
             raise UserError(f"corrupt checkpoint manifest in {path}: {key} is {manifest[key]!r}")
     reader = TensorReader(path, manifest, KINDS)
-    store = trainer.model.store
+    model = trainer.model
     # Everything is read into fresh buffers first: a failure leaves the trainer untouched.
-    flats = {kind: _full_stage_buffer(reader, kind, trainer.model) for kind in KINDS}
-    store.data[...] = flats["params"]
-    trainer.optimizer.load_moments(flats["adam_m"], flats["adam_v"], manifest["adam_step"])
+    flats = [{kind: _full_stage_buffer(reader, kind, model, store) for kind in KINDS} for store in model.stores]
+    for store, optimizer, store_flats in zip(model.stores, trainer.optimizers, flats):
+        store.data[...] = store_flats["params"]
+        optimizer.load_moments(store_flats["adam_m"], store_flats["adam_v"], manifest["adam_step"])
     trainer.iteration = manifest["iteration"]
     best = manifest.get("best_val_loss")
     trainer.best_val_loss = math.inf if best is None else float(best)
@@ -113,17 +114,19 @@ def _load_weights(path: Path, model, expected_model_cfg) -> dict:
     if expected_model_cfg is not None:
         check_model_config(manifest, expected_model_cfg)
     reader = TensorReader(path, manifest, ("params",))
-    model.store.data[...] = _full_stage_buffer(reader, "params", model)
+    flats = [_full_stage_buffer(reader, "params", model, store) for store in model.stores]
+    for store, flat in zip(model.stores, flats):
+        store.data[...] = flat
     return manifest
 
 
-def _full_stage_buffer(reader: TensorReader, kind: str, model) -> np.ndarray:
-    """A flat buffer laid out like model.store.data holding this rank's shards of `kind`.
-    The last stage's tied head asks for embedding.token.weight like the first: one file."""
-    store = model.store
+def _full_stage_buffer(reader: TensorReader, kind: str, model, store) -> np.ndarray:
+    """A flat buffer laid out like store.data (one of model.stores) holding this rank's
+    shards of `kind`. The last stage's tied head asks for embedding.token.weight like
+    the first: one file. An expert is asked for by its global index, whatever ep."""
     flat = np.zeros(store.size, store.dtype)
     try:
-        fill_from_full(model, flat, reader.getter(kind, store.dtype))
+        fill_from_full(model, flat, reader.getter(kind, store.dtype), store)
     except ValueError as error:
         raise UserError(f"checkpoint {reader.path} does not fit this model: {error}") from None
     return flat

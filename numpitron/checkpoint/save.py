@@ -18,7 +18,7 @@ from numpitron.checkpoint.manifest import (FORMAT_VERSION, LATEST_NAME, MANIFEST
                                            describe_tensor_file, iter_dir_name, tensor_relpath, write_json_synced)
 from numpitron.checkpoint.prune import OWNER_MARKER, prune_checkpoints
 from numpitron.config import to_dict
-from numpitron.distributed.gather import gather_full
+from numpitron.distributed.gather import gather_stores
 from numpitron.errors import UserError
 
 
@@ -31,9 +31,12 @@ def save_checkpoint(root, trainer, keep: int = 2, protect: Path | None = None, e
     """
     if keep < 1:
         raise UserError(f"keep must be at least 1 checkpoint, got {keep}")
-    root, topo, store = Path(root), trainer.topo, trainer.model.store
-    m, v = trainer.optimizer.full_moments()          # collective over dp (ZeRO-1)
-    full = gather_full(trainer.model, topo, {"params": store.data, "adam_m": m, "adam_v": v})
+    root, topo = Path(root), trainer.topo
+    flats = []
+    for store, optimizer in zip(trainer.model.stores, trainer.optimizers):   # experts are a second store
+        m, v = optimizer.full_moments()              # collective over dp (ZeRO-1)
+        flats.append({"params": store.data, "adam_m": m, "adam_v": v})
+    full = gather_stores(trainer.model, topo, flats)
     status = None
     if topo.rank == 0:
         try:
@@ -60,7 +63,8 @@ def checkpoint_fields(trainer) -> dict:
     return {
         "model_config": to_dict(trainer.model_cfg),
         "parallel_config": to_dict(trainer.parallel_cfg),
-        "mesh": {"tensor": topo.tp, "pipeline": topo.pp, "data": topo.dp, "context": topo.cp},     # informative: any mesh loads it
+        "mesh": {"tensor": topo.tp, "pipeline": topo.pp, "data": topo.dp, "context": topo.cp,
+                 "expert": topo.ep},                 # informative: any mesh loads it
         "train_config": to_dict(trainer.train_cfg),
         "iteration": int(trainer.iteration),
         "adam_step": int(trainer.optimizer.adam.step_count),
