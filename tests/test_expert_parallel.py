@@ -111,7 +111,6 @@ def test_checkpoints_move_between_ep2_and_ep1(shared_dir):  # noqa: F811
         assert rel_diff(train_steps(source, 3, tokens), expected[:3]) <= EQUIV_RTOL_FLOAT64
         path = save_checkpoint(shared_dir / f"from-ep{source_ep}", source)
         manifest = json.loads((path / "manifest.json").read_text())
-        assert manifest["mesh"]["expert"] == source_ep
         assert "params/blocks.1.mlp.experts.3.proj.weight.npy" in manifest["tensors"]
         resumed = make_trainer(model_cfg, train_cfg, data=2, expert=target_ep)
         load_checkpoint(path, resumed)

@@ -63,8 +63,7 @@ def checkpoint_fields(trainer) -> dict:
     return {
         "model_config": to_dict(trainer.model_cfg),
         "parallel_config": to_dict(trainer.parallel_cfg),
-        "mesh": {"tensor": topo.tp, "pipeline": topo.pp, "data": topo.dp, "context": topo.cp,
-                 "expert": topo.ep},                 # informative: any mesh loads it
+        "mesh": {"tensor": topo.tp, "pipeline": topo.pp, "data": topo.dp, "context": topo.cp},     # informative: any mesh loads it
         "train_config": to_dict(trainer.train_cfg),
         "iteration": int(trainer.iteration),
         "adam_step": int(trainer.optimizer.adam.step_count),
