@@ -121,7 +121,7 @@ def timed_steps(trainer, tokens, iters: int, world) -> dict:
             "comm_bytes_per_iter": trainer.topo.stats.total_bytes() / iters,
             "comm_seconds_per_iter_by_kind": {k: v["seconds"] / iters for k, v in trainer.topo.stats.snapshot().items()},
             "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,     # Linux: KiB
-            "optimizer_state_bytes": trainer.optimizer.state_nbytes(),
+            "optimizer_state_bytes": sum(o.state_nbytes() for o in trainer.optimizers),
             "peak_activation_bytes": trainer.last_pipeline_stats.peak_activation_bytes}
 
 

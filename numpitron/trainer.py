@@ -18,9 +18,9 @@ import numpy as np
 
 from numpitron.data.batches import global_batch
 from numpitron.model import GPTStage
+from numpitron.optim.distributed import step_together
 from numpitron.optim.schedule import learning_rate
 from numpitron.parallel.context import local_positions
-from numpitron.optim.distributed import step_together
 from numpitron.parallel.optimizer import make_optimizers
 from numpitron.parallel.pipeline import forward_only, run_schedule
 
