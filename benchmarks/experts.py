@@ -54,6 +54,7 @@ def routing(metrics: Path) -> None:
     import numpy as np
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     rows = [r for r in rows if "moe_tokens_per_expert" in r]
+    rows = rows[::max(1, len(rows) // 50)]          # about 50 points: a light SVG
     iters = np.array([r["iter"] for r in rows])
     counts = np.array([r["moe_tokens_per_expert"] for r in rows], float)       # (logged, blocks, E)
     share = counts / counts.sum(axis=2, keepdims=True)
