@@ -83,10 +83,12 @@ def flops_per_token(cfg: ModelConfig) -> tuple[int, int]:
     token and position embeddings are lookups, not matmuls, and are left out.
     The attention term 12 L H Q T = 12 L C T counts the full T x T score and
     attention-value matmuls (forward and backward), as PaLM does, not the causal half.
+    A mixture-of-experts block counts its active parameters: the router and k experts.
     """
     C, L, T, V = cfg.d_model, cfg.n_layers, cfg.seq_len, cfg.vocab_size
-    per_block = (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C) + 4 * C
-    n = L * per_block + 2 * C + V * C
+    attention, mlp = (C * 3 * C + 3 * C) + (C * C + C) + 4 * C, (C * 4 * C + 4 * C) + (4 * C * C + C)
+    moe_blocks = sum(cfg.is_moe_block(i) for i in range(L))
+    n = L * (attention + mlp) + moe_blocks * ((cfg.moe_top_k - 1) * mlp + C * cfg.num_experts) + 2 * C + V * C
     return n, 6 * n + 12 * L * C * T
 
 
@@ -119,7 +121,7 @@ def timed_steps(trainer, tokens, iters: int, world) -> dict:
             "comm_bytes_per_iter": trainer.topo.stats.total_bytes() / iters,
             "comm_seconds_per_iter_by_kind": {k: v["seconds"] / iters for k, v in trainer.topo.stats.snapshot().items()},
             "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,     # Linux: KiB
-            "optimizer_state_bytes": trainer.optimizer.state_nbytes(),
+            "optimizer_state_bytes": sum(o.state_nbytes() for o in trainer.optimizers),
             "memory_bytes": trainer.optimizer.memory_bytes(),
             "peak_activation_bytes": trainer.last_pipeline_stats.peak_activation_bytes}
 
@@ -160,13 +162,14 @@ def main():
     peak_per_rank = float(np.mean([large for _, large in gemm]))
     snapshot = topo.stats.snapshot()
     result = {
-        "mesh": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "world": n_ranks,
+        "mesh": {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "ep": topo.ep, "world": n_ranks,
                  "cp": topo.cp, "schedule": args.pipeline_schedule if topo.pp > 1 else None, "zero_stage": args.zero_stage,
                  "overlap_grad_reduce": args.overlap_grad_reduce, "bucket_size": args.bucket_size,
                  "micro_batch": args.micro_batch_size, "global_batch": trainer.global_batch_size,
                  "num_microbatches": trainer.num_microbatches},
         "model": {"n_layers": args.n_layers, "n_heads": args.n_heads, "d_model": args.d_model,
-                  "seq_len": args.seq_len, "vocab": VOCAB, "flops_params": n_params},
+                  "seq_len": args.seq_len, "vocab": VOCAB, "flops_params": n_params,
+                  "num_experts": args.num_experts, "moe_top_k": args.moe_top_k},
         "dtype": args.dtype, "iters": args.iters, "glibc_malloc_defaults": args.glibc_malloc_defaults,
         "env": {v: os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "MPIR_CVAR_ENABLE_HEAVY_YIELD")},
         # On a shared machine another job's load skews every figure: record it.
@@ -190,6 +193,9 @@ def main():
                                                    for r in ranks],
         "comm_fraction": round(float(np.mean([r["comm_fraction"] for r in ranks])), 4),
         "comm_fraction_per_rank": [round(r["comm_fraction"], 4) for r in ranks],
+        # expert parallelism's all-to-alls (counts and tokens), as a share of the step
+        "all_to_all_fraction": round(float(np.mean([sum(v for k, v in r["comm_seconds_per_iter_by_kind"].items()
+                                                        if k.startswith("ep.")) for r in ranks])) / (ms / 1e3), 4),
         "peak_rss_mb": round(max(r["peak_rss_kb"] for r in ranks) / 1024, 1),
         "baseline_rss_mb_rank0": round(baseline_rss_kb / 1024, 1),
         "optimizer_state_bytes_per_rank": [r["optimizer_state_bytes"] for r in ranks],

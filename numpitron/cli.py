@@ -27,6 +27,8 @@ def add_mesh_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="ranks that split every sequence (ring attention)")
     g.add_argument("--data-parallel-size", type=int, default=None, help="default: world / (tp * cp * pp)")
+    g.add_argument("--expert-parallel-size", type=int, default=1,
+                   help="data-parallel ranks that split the experts among them (must divide dp)")
     g.add_argument("--blas-threads", type=int, default=1,
                    help="BLAS threads per rank (read before NumPy starts)")
 
@@ -55,6 +57,15 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--d-model", type=int, default=m.d_model)
     g.add_argument("--seq-len", type=int, default=m.seq_len)
     g.add_argument("--dtype", choices=DTYPES, default=m.dtype)
+    g.add_argument("--num-experts", type=int, default=m.num_experts,
+                   help="mixture of experts: E expert MLPs per MoE block (0: the dense MLP)")
+    g.add_argument("--moe-top-k", type=int, default=m.moe_top_k, help="experts per token")
+    g.add_argument("--moe-every", type=int, default=m.moe_every,
+                   help="block i has experts when i %% N == 0 (the others stay dense)")
+    g.add_argument("--moe-capacity-factor", type=float, default=m.moe_capacity_factor,
+                   help="an expert takes at most ceil(c k T / E) of a sequence's tokens; 0: dropless")
+    g.add_argument("--moe-aux-loss-coef", type=float, default=m.moe_aux_loss_coef,
+                   help="weight of the load-balancing loss (Switch's alpha)")
 
 
 def add_training_flags(p: argparse.ArgumentParser) -> None:
@@ -94,7 +105,10 @@ def configs_from_args(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
     """Each config validated on its own (no mesh yet). The vocabulary size is filled
     in from the tokenizer later; nothing checked here depends on it."""
     model = ModelConfig(seq_len=args.seq_len, n_layers=args.n_layers, n_heads=args.n_heads,
-                        d_model=args.d_model, dtype=args.dtype).validate()
+                        d_model=args.d_model, dtype=args.dtype, num_experts=args.num_experts,
+                        moe_top_k=args.moe_top_k, moe_every=args.moe_every,
+                        moe_capacity_factor=args.moe_capacity_factor,
+                        moe_aux_loss_coef=args.moe_aux_loss_coef).validate()
     parallel = ParallelConfig(schedule=args.pipeline_schedule, zero_stage=args.zero_stage,
                               bucket_size=args.bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
                               sequence_parallel=args.sequence_parallel, recompute=args.recompute).validate()
@@ -111,7 +125,7 @@ def mesh_from_args(args, world_size: int, model: ModelConfig, train: TrainConfig
     """The Mesh for this world, after every check that involves it."""
     from numpitron.distributed.topology import resolve_mesh
     mesh = resolve_mesh(world_size, args.tensor_parallel_size, args.pipeline_parallel_size,
-                        args.data_parallel_size, args.context_parallel_size)
+                        args.data_parallel_size, args.context_parallel_size, args.expert_parallel_size)
     check_layout(model, train, mesh, parallel)
     return mesh
 

@@ -21,10 +21,19 @@ class ModelConfig:
     n_heads: int = 4
     d_model: int = 128
     dtype: str = "float32"
+    # Mixture of experts (docs/14-experts.md); 0 experts: every block has the dense MLP.
+    num_experts: int = 0
+    moe_top_k: int = 2               # experts per token
+    moe_every: int = 1               # block i is MoE when i % moe_every == 0
+    moe_capacity_factor: float = 0.0 # 0: dropless
+    moe_aux_loss_coef: float = 0.01  # Switch's alpha
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    def is_moe_block(self, index: int) -> bool:
+        return self.num_experts > 0 and index % self.moe_every == 0
 
     def validate(self) -> "ModelConfig":
         _integers(self, "vocab_size", "seq_len", "n_layers", "n_heads", "d_model")
@@ -33,6 +42,12 @@ class ModelConfig:
             raise UserError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise UserError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        _integers(self, "num_experts", "moe_top_k", "moe_every")
+        _finite(self, "moe_capacity_factor", "moe_aux_loss_coef")
+        _non_negative(self, "num_experts", "moe_capacity_factor", "moe_aux_loss_coef")
+        _positive(self, "moe_top_k", "moe_every")
+        if self.num_experts and self.moe_top_k > self.num_experts:
+            raise UserError(f"--moe-top-k ({self.moe_top_k}) must not exceed --num-experts ({self.num_experts})")
         return self
 
 
@@ -63,8 +78,10 @@ class ParallelConfig:
 
 def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
     """Everything that must divide for this model to run on a mesh (tp, pp, dp, cp):
-    checked identically on every rank before any communication."""
-    tensor, pipeline, data, context = mesh
+    checked identically on every rank before any communication. `mesh` is a Mesh
+    (tp, pp, dp, cp, ep); the expert-parallel size may be left out (1)."""
+    tensor, pipeline, data, context, *rest = mesh
+    _check_experts(model, parallel, data, context, expert=rest[0] if rest else 1)
     if parallel is not None and parallel.sequence_parallel:
         if tensor == 1:
             raise UserError("--sequence-parallel splits the sequence over tensor-parallel ranks: it needs "
@@ -81,6 +98,9 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
             raise UserError("--zero-stage 3 reduce-scatters each layer's gradients when its backward ends, but "
                             "--sequence-parallel sums LayerNorm gradients over tp only after the whole backward; "
                             "use --zero-stage 2 with --sequence-parallel")
+        if model.num_experts:
+            raise UserError("--zero-stage 3 gathers each block's parameters from one flat buffer, and experts live "
+                            "in a second one that only their own ranks hold; use --zero-stage 2 with --num-experts")
     if model.n_heads % tensor:
         raise UserError(f"n_heads ({model.n_heads}) must be divisible by the tensor-parallel size ({tensor})")
     if (4 * model.d_model) % tensor:
@@ -93,6 +113,26 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
                         f"({2 * context}): each rank holds two chunks of every sequence (the zigzag split)")
     if train is not None:
         train.num_microbatches(data)
+
+
+def _check_experts(model: ModelConfig, parallel, data: int, context: int, expert: int) -> None:
+    """Expert parallelism splits the experts over ranks carved out of dp (docs/14-experts.md)."""
+    if expert < 1:
+        raise UserError(f"expert-parallel size must be positive, got {expert}")
+    if expert > 1 and not model.num_experts:
+        raise UserError("--expert-parallel-size splits experts over ranks: it needs --num-experts")
+    if model.num_experts % expert:
+        raise UserError(f"--num-experts ({model.num_experts}) must be divisible by the expert-parallel size "
+                        f"({expert})")
+    if data % expert:
+        raise UserError(f"the expert-parallel size ({expert}) must divide the data-parallel size ({data}): "
+                        f"the ep group is carved out of the data-parallel ranks")
+    if model.num_experts and context > 1:
+        raise UserError("mixture-of-experts layers route whole sequences: --num-experts does not combine with "
+                        "--context-parallel-size yet")
+    if model.num_experts and parallel is not None and parallel.sequence_parallel:
+        raise UserError("mixture-of-experts layers route whole sequences: --num-experts does not combine with "
+                        "--sequence-parallel yet")
 
 
 @dataclass(frozen=True)

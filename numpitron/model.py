@@ -6,6 +6,11 @@ the last ends with the language-model head and the loss. With one stage, one obj
 is the whole model. When the first and last stages differ, each holds a copy of the
 token embedding, both drawn from the same (seed, name) and kept equal by summing
 their gradients in `finalize_grads`.
+
+Parameters live in two flat buffers: `store` for those every data-parallel rank
+holds, `expert_store` for this rank's experts (empty without experts), whose
+gradients are averaged over a different group (docs/14-experts.md). `stores` lists
+the ones in use.
 """
 
 import numpy as np
@@ -17,6 +22,7 @@ from numpitron.nn.embedding import Embeddings, PositionEmbedding, VocabParallelE
 from numpitron.nn.head import LanguageModelHead
 from numpitron.nn.kv_cache import KVCache
 from numpitron.nn.layer import Layer
+from numpitron.nn.moe import MixtureOfExperts, RoutingLog
 from numpitron.nn.param import ParamStore
 from numpitron.nn.recompute import Recomputed
 from numpitron.nn.residency import AlwaysResident
@@ -28,8 +34,11 @@ TOKEN_EMBEDDING = "embedding.token.weight"
 
 class GPTStage(Layer):
     def __init__(self, model_cfg: ModelConfig, topo, seed: int = 0, sequence_parallel: bool = False,
-                 recompute: str = "none"):
-        self.model_cfg, self.topo = model_cfg, topo
+                 recompute: str = "none", loss_weight: float = 1.0):
+        """loss_weight: the weight the schedule gives each micro-batch's loss (1/m); the
+        last stage's head receives it as its output gradient, every MoE layer scales its
+        aux loss's gradient by it (the role of Megatron's MoEAuxLossAutoScaler)."""
+        self.model_cfg, self.topo, self.loss_weight = model_cfg, topo, loss_weight
         self.region = make_region(topo, sequence_parallel)
         self.dtype = np.dtype(model_cfg.dtype)
         self.first, self.last = topo.is_first_stage, topo.is_last_stage
@@ -47,8 +56,9 @@ class GPTStage(Layer):
             positions = local_positions(model_cfg.seq_len, topo.cp, topo.cp_rank)
             self.embeddings = Embeddings(self.token_embedding, position, positions)
             self.layers.append(self.embeddings)
+        self.routing_log = RoutingLog(model_cfg.n_layers, model_cfg.num_experts)
         self.blocks = [Block(f"blocks.{i}", model_cfg.d_model, model_cfg.n_heads, model_cfg.n_layers, topo,
-                             self.region, keep_probs=recompute != "selective")
+                             self.region, keep_probs=recompute != "selective", moe=self._moe_settings(i))
                        for i in range(self.layer_start, self.layer_stop)]
         # Full recomputation keeps each block's input only (nn/recompute.py).
         self.block_layers = [Recomputed(b) for b in self.blocks] if recompute == "full" else self.blocks
@@ -58,8 +68,12 @@ class GPTStage(Layer):
             self.layers.append(self.head)
         # Every parameter once, in forward order (the tied copy heads the list).
         params = self.tied + [p for layer in self.layers for p in layer.parameters() if p not in self.tied]
-        self.store = ParamStore(params, self.dtype, topo.tp_rank)
-        self.store.initialize(seed)
+        experts = [p for b in self.blocks if isinstance(b.mlp, MixtureOfExperts) for p in b.mlp.experts.parameters()]
+        self.store = ParamStore([p for p in params if p not in experts], self.dtype, topo.tp_rank)
+        self.expert_store = ParamStore(experts, self.dtype, topo.tp_rank)
+        self.stores = [self.store] + ([self.expert_store] if experts else [])
+        for store in self.stores:
+            store.initialize(seed)
         # Gradients final only after finalize_grads: the tied embedding (summed over its
         # copies) and, with sequence parallelism, the tp-replicated parameters (summed
         # over tp): nobody may start reducing them over dp before that.
@@ -67,8 +81,20 @@ class GPTStage(Layer):
         self.unfinished = self.tied + [p for p in replicated if p not in self.tied]
         self.residency = AlwaysResident()       # ZeRO-3 installs its own (nn/residency.py)
 
+    def _moe_settings(self, block: int) -> dict | None:
+        c = self.model_cfg
+        if not c.is_moe_block(block):
+            return None
+        return dict(num_experts=c.num_experts, top_k=c.moe_top_k, capacity_factor=c.moe_capacity_factor,
+                    aux_loss_coef=c.moe_aux_loss_coef, loss_weight=self.loss_weight, block=block,
+                    log=self.routing_log)
+
     def parameters(self):
-        return self.store.params
+        return [p for store in self.stores for p in store.params]
+
+    def zero_grad(self) -> None:
+        for store in self.stores:
+            store.zero_grad()
 
     def input_shape(self, B: int, T: int) -> tuple:
         """What this stage receives from the previous one: activations (B, T, C), the

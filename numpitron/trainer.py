@@ -10,16 +10,18 @@ The steps (docs/architecture.md, "One training step"):
   3. the model finalizes its gradients: the tied embedding's is summed over the
      first and last stage;
   4. the optimizer finishes averaging gradients over dp (all-reduce, or ZeRO-1's
-     reduce-scatter), clips by the global norm, and applies AdamW.
+     reduce-scatter), clips by the global norm, and applies AdamW. (A model with
+     experts has two stores and two optimizers, stepped together: one norm.)
 """
 
 import numpy as np
 
 from numpitron.data.batches import global_batch
 from numpitron.model import GPTStage
+from numpitron.optim.distributed import step_together
 from numpitron.optim.schedule import learning_rate
 from numpitron.parallel.context import local_positions
-from numpitron.parallel.optimizer import make_optimizer
+from numpitron.parallel.optimizer import make_optimizers
 from numpitron.parallel.pipeline import forward_only, run_schedule
 
 
@@ -31,8 +33,11 @@ class Trainer:
         self.num_microbatches = train_cfg.num_microbatches(topo.dp)
         self.global_batch_size = train_cfg.global_batch(topo.dp)
         self.model = GPTStage(model_cfg, topo, seed=train_cfg.seed, sequence_parallel=parallel_cfg.sequence_parallel,
-                              recompute=parallel_cfg.recompute)
-        self.optimizer = make_optimizer(self.model.store, topo, train_cfg, parallel_cfg)
+                              recompute=parallel_cfg.recompute, loss_weight=1.0 / self.num_microbatches)
+        # One per store of the model; `optimizer` is the dense parameters' (the only one
+        # without experts).
+        self.optimizers = make_optimizers(self.model, topo, train_cfg, parallel_cfg)
+        self.optimizer = self.optimizers[0]
         self.model.residency = self.optimizer.residency(self.model)
         self.iteration = 0          # number of completed optimizer steps
         self.best_val_loss = float("inf")
@@ -56,17 +61,42 @@ class Trainer:
 
     def train_step(self, train_tokens) -> dict:
         """Iteration `self.iteration`: returns loss, lr, grad_norm (same on every rank)."""
-        self.optimizer.zero_grad()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+        self.model.routing_log.reset()
         batches = self.microbatches(train_tokens, "train", self.iteration)
         losses, stats = run_schedule(self.model, self.topo, batches, self.parallel_cfg.schedule,
-                                     loss_weight=1.0 / self.num_microbatches,
-                                     grads_ready=self.optimizer.grads_ready)
-        self.model.finalize_grads(self.optimizer.grads_ready)
+                                     loss_weight=self.model.loss_weight, grads_ready=self.grads_ready)
+        self.model.finalize_grads(self.grads_ready)
         lr = self.lr(self.iteration)
-        grad_norm = self.optimizer.step(lr)
+        grad_norm = step_together(self.optimizers, lr)
         self.iteration += 1
         self.last_pipeline_stats = stats
-        return {"train_loss": self.mean_loss(losses), "lr": lr, "grad_norm": grad_norm}
+        out = {"train_loss": self.mean_loss(losses), "lr": lr, "grad_norm": grad_norm}
+        if self.model_cfg.num_experts:
+            out.update(self.routing_metrics())
+            out["train_loss"] += out["moe_aux_loss"]
+        return out
+
+    def grads_ready(self, params) -> None:
+        for optimizer in self.optimizers:
+            optimizer.grads_ready(params)
+
+    def routing_metrics(self) -> dict:
+        """The iteration's routing, summed over every rank's micro-batches (each stage
+        knows its own blocks): the aux loss as it enters the objective (mean over
+        micro-batches, summed over blocks), the dropped share of assignments, and the
+        assignments each expert of each MoE block was chosen for."""
+        log, topo, c = self.model.routing_log, self.topo, self.model_cfg
+        buf = log.vector()
+        topo.dp_cp_comm.all_reduce(buf)
+        topo.pp_comm.all_reduce(buf)
+        log.from_vector(buf)
+        moe_blocks = [i for i in range(c.n_layers) if c.is_moe_block(i)]
+        assigned = log.tokens[moe_blocks].sum()
+        return {"moe_aux_loss": float(log.aux_loss.sum()) / (self.num_microbatches * topo.dp_cp),
+                "moe_dropped_fraction": float(log.dropped.sum() / assigned),
+                "moe_tokens_per_expert": log.tokens[moe_blocks].astype(int).tolist()}
 
     def mean_loss(self, losses) -> float:
         """Average the last stage's micro-batch losses over dp and cp (every rank's

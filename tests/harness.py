@@ -5,7 +5,7 @@ import numpy as np
 from mpi4py import MPI
 
 from numpitron.config import ModelConfig, ParallelConfig, TrainConfig, check_layout
-from numpitron.distributed.gather import gather_full
+from numpitron.distributed.gather import gather_stores
 from numpitron.distributed.topology import Topology
 from numpitron.trainer import Trainer
 
@@ -29,13 +29,13 @@ def tiny_tokens(n=6000, vocab=65, seed=0) -> np.ndarray:
 
 
 def make_trainer(model_cfg=None, train_cfg=None, topo=None, tensor=1, pipeline=1, data=None, context=1,
-                 **parallel) -> Trainer:
+                 expert=1, **parallel) -> Trainer:
     """A Trainer on `topo`, or on a mesh of the world's ranks; `parallel` holds
     ParallelConfig fields (schedule, zero_stage, ...). Checked like the CLI checks."""
     model_cfg, train_cfg = model_cfg or tiny_model(), train_cfg or tiny_train()
-    topo = topo or Topology.from_world(tensor, pipeline, data, context=context)
+    topo = topo or Topology.from_world(tensor, pipeline, data, context=context, expert=expert)
     parallel_cfg = ParallelConfig(**parallel).validate()
-    check_layout(model_cfg, train_cfg, (topo.tp, topo.pp, topo.dp, topo.cp), parallel_cfg)
+    check_layout(model_cfg, train_cfg, topo.mesh, parallel_cfg)
     return Trainer(model_cfg, parallel_cfg, train_cfg, topo)
 
 
@@ -51,7 +51,8 @@ def run(trainer, steps=10, tokens=None):
     tokens = tiny_tokens() if tokens is None else tokens
     steps_out = [trainer.train_step(tokens) for _ in range(steps)]
     losses, norms = [s["train_loss"] for s in steps_out], [s["grad_norm"] for s in steps_out]
-    full = gather_full(trainer.model, trainer.topo, {"params": trainer.optimizer.full_params()})
+    full = gather_stores(trainer.model, trainer.topo,
+                         [{"params": optimizer.full_params()} for optimizer in trainer.optimizers])
     return np.array(losses), np.array(norms), (full or {}).get("params"), trainer
 
 

@@ -117,12 +117,13 @@ def test_stage3_on_one_process_is_bit_for_bit_the_plain_run():
                           sharded.optimizer.full_params()[:plain.model.store.numel])
 
 
-@pytest.mark.parametrize("mesh, sequence_parallel, message", [
-    ((1, 2, 1, 1), False, "again for every micro-batch"), ((2, 1, 1, 1), True, "only after the whole backward")])
-def test_stage3_refuses_what_it_cannot_do_in_one_line(mesh, sequence_parallel, message):
+@pytest.mark.parametrize("mesh, sequence_parallel, experts, message", [
+    ((1, 2, 1, 1), False, 0, "again for every micro-batch"), ((2, 1, 1, 1), True, 0, "only after the whole backward"),
+    ((1, 1, 1, 1), False, 4, "experts live in a second one")])
+def test_stage3_refuses_what_it_cannot_do_in_one_line(mesh, sequence_parallel, experts, message):
     parallel = ParallelConfig(zero_stage=3, sequence_parallel=sequence_parallel).validate()
     with pytest.raises(UserError, match=message):
-        check_layout(tiny_model(), tiny_train(), mesh, parallel)
+        check_layout(tiny_model(num_experts=experts), tiny_train(), mesh, parallel)
 
 
 def test_unknown_stage():

@@ -110,11 +110,15 @@ def _load_training_state(path: Path, trainer) -> dict:
         if not isinstance(manifest[key], int) or manifest[key] < 0:
             raise UserError(f"corrupt checkpoint manifest in {path}: {key} is {manifest[key]!r}")
     reader = open_reader(path, manifest, KINDS)
+    model = trainer.model
     # Everything is read into fresh buffers first: a failure leaves the trainer untouched.
-    get = {kind: reader.getter(kind, trainer.model.store.dtype) for kind in KINDS}
-    wanted = {(kind, lo, hi): stage_range(trainer.model, lo, hi, get[kind])
-              for kind, lo, hi in trainer.optimizer.loaded_ranges()}
-    trainer.optimizer.load_flat(lambda kind, lo, hi: wanted[kind, lo, hi], manifest["adam_step"])
+    # Each store (the dense parameters, the experts: asked for by global index, whatever
+    # ep) gets the ranges its optimizer keeps.
+    wanted = [{(kind, lo, hi): stage_range(store, lo, hi, reader.getter(kind, store.dtype))
+               for kind, lo, hi in optimizer.loaded_ranges()}
+              for store, optimizer in zip(model.stores, trainer.optimizers)]
+    for optimizer, values in zip(trainer.optimizers, wanted):
+        optimizer.load_flat(lambda kind, lo, hi, values=values: values[kind, lo, hi], manifest["adam_step"])
     trainer.iteration = manifest["iteration"]
     best = manifest.get("best_val_loss")
     trainer.best_val_loss = math.inf if best is None else float(best)
@@ -126,5 +130,7 @@ def _load_weights(path: Path, model, expected_model_cfg) -> dict:
     if expected_model_cfg is not None:
         check_model_config(manifest, expected_model_cfg)
     reader = open_reader(path, manifest, ("params",))
-    model.store.data[...] = stage_range(model, 0, model.store.size, reader.getter("params", model.store.dtype))
+    flats = [stage_range(store, 0, store.size, reader.getter("params", store.dtype)) for store in model.stores]
+    for store, flat in zip(model.stores, flats):
+        store.data[...] = flat
     return manifest

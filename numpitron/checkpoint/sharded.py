@@ -35,34 +35,37 @@ def shard_relpath(world_rank: int) -> str:
     return f"{SHARDS}/rank-{world_rank:05d}.bin"
 
 
-def written_params(model, topo):
-    """The parameters this rank writes: the first stage's tied embedding only, and a
-    tp-replicated tensor from tp rank 0 only (the others hold the same values)."""
-    from numpitron.distributed.gather import saved_params
-    return [p for p in saved_params(model) if p.split_axis is not None or topo.tp_rank == 0]
+def written_params(model, store, topo):
+    """The parameters of `store` this rank writes: the first stage's tied embedding only,
+    and a tp-replicated tensor from tp rank 0 only (the others hold the same values)."""
+    from numpitron.model import TOKEN_EMBEDDING
+    return [p for p in store.params if (model.first or p.name != TOKEN_EMBEDDING)
+            and (p.split_axis is not None or topo.tp_rank == 0)]
 
 
 def write_rank_shard(directory: Path, trainer) -> dict:
     """Write this rank's pieces into directory/shards/ and fsync them. Returns what the
-    manifest needs from this rank: its tensors' layout, its file and its pieces."""
-    topo, store, optimizer = trainer.topo, trainer.model.store, trainer.optimizer
-    lo, hi = optimizer.write_range()
-    values = optimizer.flat_slices(lo, hi)
+    manifest needs from this rank: its tensors' layout, its file and its pieces. Each
+    store (the dense parameters, the experts) with the optimizer that shards it."""
+    topo = trainer.topo
     relpath, pieces, tensors, offset = shard_relpath(topo.rank), [], {}, 0
     with open(directory / relpath, "wb") as f:
-        for p in written_params(trainer.model, topo):
-            a, b = store.offsets[p.name]
-            start, stop = max(a, lo), min(b, hi)
-            if start >= stop:
-                continue
-            tensors[p.name] = {"shape": list(p.logical_shape), "full_shape": list(p.full_shape),
-                               "split_axis": p.split_axis, "dtype": store.dtype.name}
-            for kind in KINDS:
-                piece = np.ascontiguousarray(values[kind][start - lo:stop - lo])
-                f.write(piece.tobytes())
-                pieces.append({"kind": kind, "name": p.name, "tp_rank": p.tp_rank, "tp_size": p.tp_size,
-                               "start": start - a, "stop": stop - a, "file": relpath, "offset": offset})
-                offset += piece.nbytes
+        for store, optimizer in zip(trainer.model.stores, trainer.optimizers):
+            lo, hi = optimizer.write_range()
+            values = optimizer.flat_slices(lo, hi)
+            for p in written_params(trainer.model, store, topo):
+                a, b = store.offsets[p.name]
+                start, stop = max(a, lo), min(b, hi)
+                if start >= stop:
+                    continue
+                tensors[p.name] = {"shape": list(p.logical_shape), "full_shape": list(p.full_shape),
+                                   "split_axis": p.split_axis, "dtype": store.dtype.name}
+                for kind in KINDS:
+                    piece = np.ascontiguousarray(values[kind][start - lo:stop - lo])
+                    f.write(piece.tobytes())
+                    pieces.append({"kind": kind, "name": p.name, "tp_rank": p.tp_rank, "tp_size": p.tp_size,
+                                   "start": start - a, "stop": stop - a, "file": relpath, "offset": offset})
+                    offset += piece.nbytes
         f.flush()
         os.fsync(f.fileno())
     files = {relpath: {"bytes": offset, "crc32": file_crc32(directory / relpath), "rank": topo.rank}}
@@ -151,10 +154,9 @@ class ShardedReader:
         return get
 
 
-def stage_range(model, lo: int, hi: int, get_full) -> np.ndarray:
-    """Values on [lo, hi) of this rank's stage flat buffer (zeros at padding), asking
+def stage_range(store, lo: int, hi: int, get_full) -> np.ndarray:
+    """Values on [lo, hi) of this rank's flat buffer `store` (zeros at padding), asking
     get_full(name) only for the parameters that overlap the range."""
-    store = model.store
     flat = np.zeros(hi - lo, store.dtype)
     for p in store.params:
         a, b = store.offsets[p.name]

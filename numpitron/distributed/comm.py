@@ -9,6 +9,7 @@ it against the formula for each parallel strategy:
     reduce_scatter    (n-1)/n * bytes(full input)
     all_gather        (n-1)/n * bytes(full output)
     send / recv               bytes(buffer)
+    all_to_all(v)             bytes this rank sends to the others (its own block stays)
 
 Each call also adds its seconds (for non-blocking calls: the seconds spent waiting).
 On a communicator of size 1 every collective is a no-op that counts nothing, so a
@@ -158,6 +159,31 @@ class Comm:
         else:
             full[...] = shard
         return full
+
+    def all_to_all(self, send: np.ndarray) -> np.ndarray:
+        """Equal blocks: send[r] goes to rank r; returns recv, recv[r] from rank r."""
+        recv = send.copy()
+        if self.size > 1:
+            self._timed("all_to_all", (self.size - 1) / self.size * send.nbytes,
+                        lambda: self.mpi.Alltoall(send, recv))
+        return recv
+
+    def all_to_allv(self, send: np.ndarray, send_rows, recv_rows) -> np.ndarray:
+        """Blocks of different sizes along axis 0: rows [sum(send_rows[:r]), +send_rows[r])
+        of `send` go to rank r; returns the rows received, rank 0's first. Every rank must
+        know what it will receive (exchange the counts first, with `all_to_all`)."""
+        row = int(np.prod(send.shape[1:]))
+        recv = np.empty((int(np.sum(recv_rows)),) + send.shape[1:], send.dtype)
+        if self.size == 1:
+            recv[...] = send
+            return recv
+
+        def spec(buf, rows):
+            counts = np.asarray(rows, np.int64) * row
+            return [buf, (counts, np.concatenate([[0], np.cumsum(counts)[:-1]]))]
+        sent = (int(np.sum(send_rows)) - int(send_rows[self.rank])) * row * send.itemsize
+        self._timed("all_to_allv", sent, lambda: self.mpi.Alltoallv(spec(send, send_rows), spec(recv, recv_rows)))
+        return recv
 
     def broadcast(self, buf: np.ndarray, root: int = 0) -> np.ndarray:
         if self.size > 1:

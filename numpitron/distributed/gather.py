@@ -3,9 +3,11 @@
 `gather_full` collects any flat buffer laid out like a stage's parameters
 (the parameters themselves, Adam's m or v) into one full tensor per parameter
 name on world rank 0: a gather over tp within data replica 0 of every stage,
-then each stage's leader sends its tensors to rank 0. `fill_from_full` is the
-inverse: each rank cuts its own shard out of full tensors (memory-mapped files,
-typically), so any full set of tensors loads onto any mesh.
+then each stage's leader sends its tensors to rank 0. Experts are held by the ep
+ranks of a data replica, each its own: `gather_stores` gathers them from the ep
+ranks of replica 0 as well. `fill_from_full` is the inverse: each rank cuts its own
+shard out of full tensors (memory-mapped files, typically), so any full set of
+tensors loads onto any mesh.
 """
 
 import numpy as np
@@ -36,36 +38,55 @@ def _gather_over_tp(param, local, tp_comm):
     return np.ascontiguousarray(full[tuple(slice(0, n) for n in param.logical_shape)])
 
 
-def gather_full(model, topo, flats: dict) -> dict | None:
-    """flats: {kind: flat buffer laid out like model.store.data}. Collective over the
-    world. Returns {kind: {param name: full logical array}} on world rank 0."""
+def _gather(store, params, topo, flats: dict, holder: bool, leaders) -> dict | None:
+    """The holders (one copy of the store's tensors between them) gather over tp; their
+    tp rank 0, the leader, sends to world rank 0, which receives from `leaders`."""
     local = {}
-    if topo.dp_cp_rank == 0:
+    if holder:
         for kind, flat in flats.items():
-            tensors = {p.name: _gather_over_tp(p, model.store.view(flat, p.name), topo.tp_comm)
-                       for p in saved_params(model)}
-            local[kind] = tensors
+            local[kind] = {p.name: _gather_over_tp(p, store.view(flat, p.name), topo.tp_comm) for p in params}
     world = topo.world
-    is_stage_leader = topo.dp_cp_rank == 0 and topo.tp_rank == 0
     if topo.rank != 0:
-        if is_stage_leader:
+        if holder and topo.tp_rank == 0:
             index = [(kind, name, a.shape, a.dtype.str) for kind, t in local.items() for name, a in t.items()]
             world.mpi.send(index, dest=0, tag=GATHER_TAG)        # small control data
             for kind, name, _, _ in index:
                 world.send(local[kind][name], 0, GATHER_TAG)
         return None
-    for stage in range(1, topo.pp):
-        leader = topo.world_rank_of(stage, 0, 0)
+    for leader in leaders:
+        if leader == 0:
+            continue
         for kind, name, shape, dtype in world.mpi.recv(source=leader, tag=GATHER_TAG):
             local.setdefault(kind, {})[name] = world.recv(np.empty(shape, np.dtype(dtype)), leader, GATHER_TAG)
     return local
 
 
-def fill_from_full(model, flat, get_full) -> None:
-    """Write this rank's shard of every parameter into `flat` (laid out like
-    model.store.data); get_full(name) returns the full logical tensor (array-like)."""
-    for p in model.store.params:
+def gather_full(model, topo, flats: dict) -> dict | None:
+    """flats: {kind: flat buffer laid out like model.store.data}. Collective over the
+    world. Returns {kind: {param name: full logical array}} on world rank 0."""
+    leaders = [topo.world_rank_of(stage, 0, 0) for stage in range(topo.pp)]
+    return _gather(model.store, saved_params(model), topo, flats, topo.dp_cp_rank == 0, leaders)
+
+
+def gather_stores(model, topo, flats: list[dict]) -> dict | None:
+    """flats: one {kind: flat buffer} per store of model.stores. Like gather_full, over
+    every store: the experts come from the ep ranks of data replica 0."""
+    full = gather_full(model, topo, flats[0])
+    for store, store_flats in zip(model.stores[1:], flats[1:]):
+        leaders = [topo.world_rank_of(stage, e, 0) for stage in range(topo.pp) for e in range(topo.ep)]
+        experts = _gather(store, store.params, topo, store_flats, topo.expert_dp_rank == 0 and topo.cp_rank == 0,
+                          leaders)
+        for kind, tensors in (experts or {}).items():
+            full[kind].update(tensors)
+    return full
+
+
+def fill_from_full(model, flat, get_full, store=None) -> None:
+    """Write this rank's shard of every parameter of `store` (default: model.store) into
+    `flat` (laid out like store.data); get_full(name) returns the full logical tensor."""
+    store = store or model.store
+    for p in store.params:
         full = np.asarray(get_full(p.name))
         if full.shape != p.logical_shape:
             raise ValueError(f"{p.name}: expected shape {p.logical_shape}, got {full.shape}")
-        model.store.view(flat, p.name)[...] = pad_to_full(full, p.full_shape)[p.tp_slice()]
+        store.view(flat, p.name)[...] = pad_to_full(full, p.full_shape)[p.tp_slice()]

@@ -5,6 +5,11 @@
 Tensor-parallel peers are neighbouring ranks (on a cluster: one node, the fastest
 links), then context-parallel peers, then data replicas; pipeline stages are
 outermost. This is Megatron-LM's order.
+
+Expert parallelism adds no axis: the ep group is carved out of dp (Megatron-LM's
+choice). Consecutive dp ranks form an ep group and split the experts among them;
+ranks with the same position in their ep group (dp_rank % ep) hold the same experts
+and average their gradients (the expert_dp group, dp / ep ranks).
 """
 
 from typing import NamedTuple
@@ -12,7 +17,7 @@ from typing import NamedTuple
 from numpitron.distributed.comm import Comm, CommStats
 from numpitron.errors import UserError
 
-GROUPS = ("tp", "cp", "dp", "dp_cp", "pp", "model", "embedding")
+GROUPS = ("tp", "cp", "dp", "dp_cp", "pp", "model", "embedding", "ep", "expert_dp", "expert_model")
 
 
 class Mesh(NamedTuple):
@@ -20,12 +25,16 @@ class Mesh(NamedTuple):
     pp: int
     dp: int
     cp: int = 1
+    ep: int = 1          # expert parallelism, inside dp
 
 
-def resolve_mesh(world_size: int, tensor: int, pipeline: int, data: int | None, context: int = 1) -> Mesh:
-    """The mesh sizes for this world, with dp derived when not given. No communication."""
+def resolve_mesh(world_size: int, tensor: int, pipeline: int, data: int | None, context: int = 1,
+                 expert: int = 1) -> Mesh:
+    """The mesh sizes for this world, with dp derived when not given. No communication.
+    (That ep divides dp is checked with the model, in config.check_layout.)"""
     for name, value in (("tensor-parallel size", tensor), ("pipeline-parallel size", pipeline),
-                        ("data-parallel size", data), ("context-parallel size", context)):
+                        ("data-parallel size", data), ("context-parallel size", context),
+                        ("expert-parallel size", expert)):
         if value is not None and value < 1:
             raise UserError(f"{name} must be positive, got {value}")
     model_parallel = tensor * pipeline * context
@@ -39,7 +48,7 @@ def resolve_mesh(world_size: int, tensor: int, pipeline: int, data: int | None, 
         raise UserError(
             f"tensor x context x pipeline x data parallel size ({tensor} x {context} x {pipeline} x {data} = "
             f"{model_parallel * data}) does not match the world size {world_size}")
-    return Mesh(tensor, pipeline, data, context)
+    return Mesh(tensor, pipeline, data, context, expert)
 
 
 class Topology:
@@ -50,18 +59,22 @@ class Topology:
     and tp slice), dp_cp (dp and cp together: every rank whose gradients are averaged
     into this one's, Megatron's data-parallel group "with context parallelism"), pp
     (one pipeline), model (tp x pp: one full model replica, for the gradient norm),
-    embedding (first and last stage: the tied embedding).
+    embedding (first and last stage: the tied embedding). Experts: ep (ep consecutive dp
+    ranks, which split the experts and exchange tokens), expert_dp (the dp ranks holding
+    the same experts), expert_model (tp x pp x ep: one whole copy of every expert, for
+    the gradient norm).
     """
 
-    def __init__(self, world, tp: int, pp: int, dp: int, stats: CommStats | None = None, cp: int = 1):
+    def __init__(self, world, tp: int, pp: int, dp: int, stats: CommStats | None = None, cp: int = 1, ep: int = 1):
         self.stats = stats or CommStats()
-        self.tp, self.pp, self.dp, self.cp = tp, pp, dp, cp
+        self.tp, self.pp, self.dp, self.cp, self.ep = tp, pp, dp, cp, ep
         self.world_size = tp * pp * dp * cp
         self.rank = 0 if world is None else world.Get_rank()
         self.pp_rank, rest = divmod(self.rank, dp * cp * tp)
         self.dp_rank, rest = divmod(rest, cp * tp)
         self.cp_rank, self.tp_rank = divmod(rest, tp)
         self.dp_cp_rank = self.dp_rank * cp + self.cp_rank
+        self.expert_dp_rank, self.ep_rank = divmod(self.dp_rank, ep)
         self.world = Comm(world, self.stats, "world")
         if world is None:
             for name in GROUPS:
@@ -90,6 +103,10 @@ class Topology:
         color = (dp * K + cp) * T + tp if on_ends else MPI.UNDEFINED
         emb = world.Split(color, pp)
         self.embedding_comm = Comm(emb if on_ends else None, self.stats, "embedding")
+        E, e, x = self.ep, self.ep_rank, self.expert_dp_rank
+        self.ep_comm = Comm(world.Split(((pp * (D // E) + x) * K + cp) * T + tp, e), self.stats, "ep")
+        self.expert_dp_comm = Comm(world.Split(((pp * E + e) * K + cp) * T + tp, x), self.stats, "expert_dp")
+        self.expert_model_comm = Comm(world.Split(x * K + cp, self.rank), self.stats, "expert_model")
 
     @classmethod
     def serial(cls) -> "Topology":
@@ -98,14 +115,18 @@ class Topology:
 
     @classmethod
     def from_world(cls, tensor: int = 1, pipeline: int = 1, data: int | None = None, world=None,
-                   context: int = 1) -> "Topology":
+                   context: int = 1, expert: int = 1) -> "Topology":
         from mpi4py import MPI
         world = world or MPI.COMM_WORLD
-        return cls.from_mesh(world, resolve_mesh(world.Get_size(), tensor, pipeline, data, context))
+        return cls.from_mesh(world, resolve_mesh(world.Get_size(), tensor, pipeline, data, context, expert))
 
     @classmethod
     def from_mesh(cls, world, mesh: Mesh) -> "Topology":
-        return cls(world, mesh.tp, mesh.pp, mesh.dp, cp=mesh.cp)
+        return cls(world, mesh.tp, mesh.pp, mesh.dp, cp=mesh.cp, ep=mesh.ep)
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(self.tp, self.pp, self.dp, self.cp, self.ep)
 
     @property
     def is_first_stage(self) -> bool:
@@ -133,7 +154,8 @@ class Topology:
         return self.rank == 0
 
     def __str__(self) -> str:
-        lines = [f"mesh: tp={self.tp} x cp={self.cp} x dp={self.dp} x pp={self.pp} ({self.world_size} ranks)"]
+        experts = f" (experts split over ep={self.ep} of the dp ranks)" if self.ep > 1 else ""
+        lines = [f"mesh: tp={self.tp} x cp={self.cp} x dp={self.dp} x pp={self.pp} ({self.world_size} ranks){experts}"]
         for s in range(self.pp):
             replicas = ["[" + " | ".join(" ".join(str(self.world_rank_of(s, d, t, c)) for t in range(self.tp))
                                          for c in range(self.cp)) + "]" for d in range(self.dp)]

@@ -9,11 +9,15 @@ of the single-process gradient, whatever the mesh.
 import numpy as np
 
 
-def global_grad_norm(grads, norm_mask, comm) -> float:
-    """sqrt of the sum over `comm` of each rank's masked sum of squares."""
+def global_grad_sumsq(grads, norm_mask, comm) -> float:
+    """The sum over `comm` of each rank's masked sum of squares."""
     sumsq = np.array([np.dot(grads * norm_mask, grads)], dtype=np.float64)
     comm.all_reduce(sumsq)
-    return float(np.sqrt(sumsq[0]))
+    return float(sumsq[0])
+
+
+def global_grad_norm(grads, norm_mask, comm) -> float:
+    return float(np.sqrt(global_grad_sumsq(grads, norm_mask, comm)))
 
 
 def clip_(grads, norm: float, max_norm: float) -> None:

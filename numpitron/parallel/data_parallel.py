@@ -13,7 +13,7 @@ PyTorch DDP, Megatron-LM and picotron do; across hosts it hides most of the redu
 """
 
 from numpitron.optim.distributed import DistributedOptimizer
-from numpitron.optim.grad_norm import clip_, global_grad_norm
+from numpitron.optim.grad_norm import clip_, global_grad_sumsq
 
 
 class GradientBuckets:
@@ -59,24 +59,27 @@ class DataParallelOptimizer(DistributedOptimizer):
 
     zero_stage = 0
 
-    def __init__(self, store, topo, train_cfg, parallel_cfg):
-        super().__init__(store, topo, train_cfg, 0, store.size)
-        self.buckets = GradientBuckets(store, topo.dp_cp_comm, parallel_cfg.bucket_size,
+    def __init__(self, store, topo, train_cfg, parallel_cfg, group=None):
+        super().__init__(store, topo, train_cfg, 0, store.size, group)
+        self.buckets = GradientBuckets(store, self.group.comm, parallel_cfg.bucket_size,
                                        parallel_cfg.overlap_grad_reduce)
 
     def grads_ready(self, params) -> None:
         self.buckets.ready(params)
 
-    def step(self, lr: float) -> float:
-        """Returns the global gradient norm before clipping."""
-        grad = self.store.grad
+    def reduce_grads(self) -> None:
         self.buckets.finish()
-        grad *= 1.0 / self.topo.dp_cp     # the sum over dp x cp becomes the global batch's mean
+        # The sum becomes the global batch's mean: divided by the data-parallel ranks it
+        # covers (the group's size, but for experts: docs/14-experts.md).
+        self.store.grad *= 1.0 / self.group.batch_ranks
+
+    def grad_sumsq(self) -> float:
         # Gradients are now identical across dp: the norm spans one model replica.
-        norm = global_grad_norm(grad, self.store.norm_mask, self.topo.model_comm)
-        clip_(grad, norm, self.train_cfg.grad_clip)
-        self.adam.update(self.store.data, grad, self.store.decay_mask, lr)
-        return norm
+        return global_grad_sumsq(self.store.grad, self.store.norm_mask, self.group.replica_comm)
+
+    def update(self, lr: float, norm: float) -> None:
+        clip_(self.store.grad, norm, self.train_cfg.grad_clip)
+        self.adam.update(self.store.data, self.store.grad, self.store.decay_mask, lr)
 
     def full_moments(self):
         return self.adam.m, self.adam.v

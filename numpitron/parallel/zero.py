@@ -20,47 +20,49 @@ keeps nothing but its slice of the gradients between steps.
 import numpy as np
 
 from numpitron.distributed.sharding import pieces_of_range, shard_bounds
-from numpitron.optim.distributed import DistributedOptimizer
-from numpitron.optim.grad_norm import clip_, global_grad_norm
+from numpitron.optim.distributed import DistributedOptimizer, GradientGroup
+from numpitron.optim.grad_norm import clip_, global_grad_sumsq
 from numpitron.parallel.data_parallel import GradientBuckets
 
 
 class ZeroOneOptimizer(DistributedOptimizer):
     zero_stage = 1
 
-    def __init__(self, store, topo, train_cfg, parallel_cfg=None):
-        # Sharded over dp and cp together: both hold replicas of the same parameters.
-        store.pad_to_multiple(topo.dp_cp)
-        super().__init__(store, topo, train_cfg, *shard_bounds(store.size, topo.dp_cp, topo.dp_cp_rank))
+    def __init__(self, store, topo, train_cfg, parallel_cfg=None, group=None):
+        # Sharded over the store's replicas: dp and cp together hold the same parameters
+        # (an expert store: its dp/ep expert_dp ranks).
+        dp = (group or GradientGroup.dense(topo)).comm
+        store.pad_to_multiple(dp.size)
+        super().__init__(store, topo, train_cfg, *shard_bounds(store.size, dp.size, dp.rank), group)
         self.grad_shard = np.zeros(self.hi - self.lo, store.dtype)
         # The masks of this rank's slice (ZeRO-3 frees the whole-stage ones).
         self.decay_shard = store.decay_mask[self.lo:self.hi].copy()
         self.norm_shard = store.norm_mask[self.lo:self.hi].copy()
 
-    def step(self, lr: float) -> float:
-        dp = self.topo.dp_cp_comm
-        lo, hi = self.lo, self.hi
-        dp.reduce_scatter(self.store.grad, self.grad_shard)             # 1.
-        norm = self.update_shard(self.store.data[lo:hi], lr)            # 2. and 3.
-        dp.all_gather(self.store.data)                                  # 4.
-        return norm
+    def reduce_grads(self) -> None:
+        self.group.comm.reduce_scatter(self.store.grad, self.grad_shard)     # 1.
+        self.grad_shard *= 1.0 / self.group.batch_ranks
 
-    def update_shard(self, params_shard, lr: float) -> float:
-        """Steps 2 and 3 on this rank's slice, given the dp-summed gradient slice."""
-        self.grad_shard *= 1.0 / self.topo.dp_cp_comm.size
-        # Slices are disjoint over dp and stages over pp; the mask handles tp.
-        norm = global_grad_norm(self.grad_shard, self.norm_shard, self.topo.world)
+    def grad_sumsq(self) -> float:
+        # 2. Slices are disjoint over dp and stages over pp; the mask handles tp.
+        return global_grad_sumsq(self.grad_shard, self.norm_shard, self.topo.world)
+
+    def update(self, lr: float, norm: float) -> None:
+        self.update_shard(self.store.data[self.lo:self.hi], lr, norm)        # 3.
+        self.group.comm.all_gather(self.store.data)                          # 4.
+
+    def update_shard(self, params_shard, lr: float, norm: float) -> None:
+        """Step 3 on this rank's slice: clip by the global norm, AdamW."""
         clip_(self.grad_shard, norm, self.train_cfg.grad_clip)
         self.adam.update(params_shard, self.grad_shard, self.decay_shard, lr)
-        return norm
 
     def full_moments(self):
-        """Gather m and v over dp into full-stage buffers (for checkpoints only)."""
+        """Gather m and v over dp into full-stage buffers."""
         full = []
         for shard in (self.adam.m, self.adam.v):
             buf = np.zeros(self.store.size, self.store.dtype)
             buf[self.lo:self.hi] = shard
-            full.append(self.topo.dp_cp_comm.all_gather(buf))
+            full.append(self.group.comm.all_gather(buf))
         return tuple(full)
 
 
@@ -76,15 +78,15 @@ class ZeroTwoOptimizer(ZeroOneOptimizer):
 
     zero_stage = 2
 
-    def __init__(self, store, topo, train_cfg, parallel_cfg):
-        super().__init__(store, topo, train_cfg, parallel_cfg)
-        self.buckets = GradientBuckets(store, topo.dp_cp_comm, parallel_cfg.bucket_size,
+    def __init__(self, store, topo, train_cfg, parallel_cfg, group=None):
+        super().__init__(store, topo, train_cfg, parallel_cfg, group)
+        self.buckets = GradientBuckets(store, self.group.comm, parallel_cfg.bucket_size,
                                        parallel_cfg.overlap_grad_reduce, start=self.reduce_scatter_bucket)
         store.free_grads()
 
     def reduce_scatter_bucket(self, lo: int, hi: int):
         """Start summing grad[lo:hi] over dp; this rank keeps the part in its slice."""
-        dp = self.topo.dp_cp_comm
+        dp = self.group.comm
         counts = pieces_of_range(lo, hi, self.store.size, dp.size)
         start = max(lo, self.lo) - self.lo
         return dp.ireduce_scatter(self.store.grad[lo:hi], self.grad_shard[start:start + counts[dp.rank]], counts)
@@ -98,9 +100,7 @@ class ZeroTwoOptimizer(ZeroOneOptimizer):
     def grads_ready(self, params) -> None:
         self.buckets.ready(params)
 
-    def step(self, lr: float) -> float:
+    def reduce_grads(self) -> None:
         self.buckets.finish()                   # 1. the reduce-scatters the backward started
         self.store.free_grads()
-        norm = self.update_shard(self.store.data[self.lo:self.hi], lr)     # 2. and 3.
-        self.topo.dp_cp_comm.all_gather(self.store.data)                  # 4.
-        return norm
+        self.grad_shard *= 1.0 / self.group.batch_ranks

@@ -59,8 +59,8 @@ class Unit:
 class ZeroThreeOptimizer(ZeroOneOptimizer):
     zero_stage = 3
 
-    def __init__(self, store, topo, train_cfg, parallel_cfg):
-        super().__init__(store, topo, train_cfg, parallel_cfg)
+    def __init__(self, store, topo, train_cfg, parallel_cfg, group=None):
+        super().__init__(store, topo, train_cfg, parallel_cfg, group)
         self.param_shard = store.data[self.lo:self.hi].copy()
         self.overlap = parallel_cfg.overlap_grad_reduce
         self.gatherer = None
@@ -76,11 +76,13 @@ class ZeroThreeOptimizer(ZeroOneOptimizer):
     def zero_grad(self) -> None:
         self.grad_shard.fill(0)
 
-    def step(self, lr: float) -> float:
+    def reduce_grads(self) -> None:
         self.gatherer.finish_backward()        # the root's reduce-scatter, the last blocks'
-        norm = self.update_shard(self.param_shard, lr)
+        self.grad_shard *= 1.0 / self.group.batch_ranks
+
+    def update(self, lr: float, norm: float) -> None:
+        self.update_shard(self.param_shard, lr, norm)
         self.gatherer.release_root()           # its values just changed: gather afresh
-        return norm
 
     def loaded_ranges(self) -> list[tuple[str, int, int]]:
         return [(kind, self.lo, self.hi) for kind in ("params", "adam_m", "adam_v")]
@@ -94,7 +96,7 @@ class ZeroThreeOptimizer(ZeroOneOptimizer):
     def full_params(self) -> np.ndarray:
         full = np.zeros(self.store.size, self.store.dtype)
         full[self.lo:self.hi] = self.param_shard
-        return self.topo.dp_cp_comm.all_gather(full)
+        return self.group.comm.all_gather(full)
 
     def memory_bytes(self) -> dict:
         item = self.store.dtype.itemsize
@@ -109,7 +111,7 @@ class LayerGatherer:
 
     def __init__(self, model, optimizer):
         store = model.store
-        self.opt, self.dp, self.store = optimizer, optimizer.topo.dp_cp_comm, store
+        self.opt, self.dp, self.store = optimizer, optimizer.group.comm, store
         # --no-overlap-grad-reduce: no prefetch, and each reduce-scatter waited for at once
         # (the reference against which benchmarks/zero_stages.py measures the overlap).
         self.overlap = optimizer.overlap

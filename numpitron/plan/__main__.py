@@ -36,9 +36,9 @@ def parser():
 
 def layout_of(args, world: int, model, parallel, train):
     mesh = resolve_mesh(world, args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size,
-                        args.context_parallel_size)
+                        args.context_parallel_size, args.expert_parallel_size)
     check_layout(model, train, mesh, parallel)
-    return tuple(mesh)
+    return tuple(mesh)[:4]              # (tp, pp, dp, cp): experts are refused in main
 
 
 def search(args, model, parallel, train, device) -> tuple[list, list]:
@@ -90,6 +90,9 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     model, parallel, train = configs_from_args(args)
     model = replace(model, vocab_size=args.vocab_size).validate()
+    if model.num_experts:
+        raise UserError("the planner does not model mixture-of-experts layers yet (their all-to-all bytes "
+                        "depend on the routing): plan the dense model, see docs/14-experts.md")
     device = load_device(args.device)
     if args.search:
         if not args.devices or args.devices < 1:

@@ -1,0 +1,93 @@
+"""The measurements of docs/14-experts.md, on this machine.
+
+    python benchmarks/experts.py throughput              # tokens/s and all-to-all share, 2 and 4 ranks
+    python benchmarks/experts.py routing out/metrics.jsonl   # the routing figure from a training run
+
+`throughput` runs benchmarks/benchmark.py (the default model, random tokens) for the
+dense model and for E = 4 and 8 experts with top-1 routing (the same active parameters
+per token as the dense model), each on 2 and 4 ranks with the experts split over all
+of them (ep = dp), and prints one JSON line per run and a table. `routing` draws the
+assignments per expert of every MoE block at each logged iteration, and the dropped
+share, into docs/figures/routing.svg (matplotlib).
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def benchmark(ranks: int, experts: int, iters: int) -> dict:
+    moe = ["--num-experts", str(experts), "--moe-top-k", "1", "--expert-parallel-size", str(ranks)] if experts else []
+    cmd = [str(BIN / "mpiexec"), "-n", str(ranks), str(BIN / "python"), "benchmarks/benchmark.py",
+           "--iters", str(iters), "--warmup", "3", *moe]
+    out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout.splitlines()[-1])
+    a2a = sum(v for k, v in out["comm_bytes_per_iter_by_kind"].items() if k.startswith("ep."))
+    return {"ranks": ranks, "experts": experts, "tokens_per_s": out["tokens_per_s"],
+            "ms_per_iter": out["ms_per_iter_median"], "all_to_all_fraction": out["all_to_all_fraction"],
+            "comm_fraction": out["comm_fraction"], "all_to_all_bytes_per_iter_rank0": a2a,
+            "loadavg": out["loadavg_1min_at_start"]}
+
+
+def throughput(iters: int) -> None:
+    rows = []
+    for ranks in (2, 4):
+        for experts in (0, 4, 8):
+            rows.append(benchmark(ranks, experts, iters))
+            print(json.dumps(rows[-1]), flush=True)
+    print("| ranks | model | tokens/s | all-to-all share of a step | all-to-all MB per iteration (rank 0) |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in rows:
+        name = f"E = {r['experts']}, top-1, ep = {r['ranks']}" if r["experts"] else "dense"
+        print(f"| {r['ranks']} | {name} | {r['tokens_per_s']:,.0f} | {r['all_to_all_fraction']:.0%} | "
+              f"{r['all_to_all_bytes_per_iter_rank0'] / 1e6:.2f} |")
+
+
+def routing(metrics: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows = [r for r in rows if "moe_tokens_per_expert" in r]
+    rows = rows[::max(1, len(rows) // 50)]          # about 50 points: a light SVG
+    iters = np.array([r["iter"] for r in rows])
+    counts = np.array([r["moe_tokens_per_expert"] for r in rows], float)       # (logged, blocks, E)
+    share = counts / counts.sum(axis=2, keepdims=True)
+    blocks, E = counts.shape[1:]
+    fig, axes = plt.subplots(1, blocks + 1, figsize=(3 * (blocks + 1), 2.8), sharex=True)
+    for b in range(blocks):
+        axes[b].stackplot(iters, share[:, b].T, labels=[f"expert {e}" for e in range(E)])
+        axes[b].set_title(f"MoE block {b}: share of tokens", fontsize=8)
+        axes[b].set_ylim(0, 1)
+    axes[-1].plot(iters, [r["moe_dropped_fraction"] for r in rows], color="black")
+    axes[-1].set_title("dropped share of assignments", fontsize=8)
+    axes[0].legend(fontsize=6, loc="lower left")
+    for ax in axes:
+        ax.set_xlabel("iteration", fontsize=8)
+        ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    fig.savefig(REPO / "docs" / "figures" / "routing.svg", bbox_inches="tight")
+    last = rows[-1]
+    print(json.dumps({"iter": last["iter"], "tokens_per_expert": last["moe_tokens_per_expert"],
+                      "dropped_fraction": last["moe_dropped_fraction"],
+                      "mean_dropped_fraction": float(np.mean([r["moe_dropped_fraction"] for r in rows]))}))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("throughput")
+    t.add_argument("--iters", type=int, default=20)
+    r = sub.add_parser("routing")
+    r.add_argument("metrics", type=Path)
+    args = p.parse_args()
+    throughput(args.iters) if args.what == "throughput" else routing(args.metrics)
+
+
+if __name__ == "__main__":
+    main()

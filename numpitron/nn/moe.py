@@ -1,0 +1,112 @@
+"""A mixture-of-experts MLP (Shazeer et al. 2017; GShard; Switch Transformer): E
+expert MLPs and a router; each token goes to its top k experts and comes back as the
+gate-weighted sum of their outputs.
+
+    route      router: chosen experts, gates, kept (nn/router.py)
+    dispatch   kept (token, expert) pairs sorted by expert; all-to-all over ep
+    experts    each local expert's MLP on its rows (nn/experts.py; tp inside)
+    combine    all-to-all back; y[t] = sum over t's kept choices j of gate[t, j] * out[t, j]
+
+A dropped choice adds nothing to y: if all of a token's choices are dropped, y[t] = 0
+and the block's residual carries the token on unchanged. With ep = 1 the all-to-alls
+are copies and this is the whole computation of one process.
+
+The backward runs the same path in reverse (token_dispatch.py): the output gradient
+goes to the experts like a dispatch, the experts' input gradient comes back like a
+combine. The router gets dL/dgate[t, j] = dy[t] . out[t, j] for kept choices.
+"""
+
+import numpy as np
+
+from numpitron.nn.experts import LocalExperts
+from numpitron.nn.layer import Layer, rows
+from numpitron.nn.router import TopKRouter
+from numpitron.nn.token_dispatch import AllToAllDispatcher
+
+
+class RoutingLog:
+    """What the routers of one stage did during an iteration's micro-batches, per block:
+    summed aux losses, assignments per expert, dropped assignments. Recorded by the
+    backward (once per micro-batch even when a recomputed forward runs twice)."""
+
+    def __init__(self, n_layers: int, num_experts: int):
+        self.n_layers, self.num_experts = n_layers, num_experts
+        self.reset()
+
+    def reset(self) -> None:
+        self.aux_loss = np.zeros(self.n_layers)
+        self.tokens = np.zeros((self.n_layers, self.num_experts))
+        self.dropped = np.zeros(self.n_layers)
+
+    def record(self, block: int, routing) -> None:
+        self.aux_loss[block] += routing.aux_loss
+        self.tokens[block] += routing.tokens_per_expert
+        self.dropped[block] += np.count_nonzero(~routing.kept)
+
+    def vector(self) -> np.ndarray:
+        """Everything in one buffer, for one reduction over the ranks."""
+        return np.concatenate([self.aux_loss, self.dropped, self.tokens.reshape(-1)])
+
+    def from_vector(self, buf: np.ndarray) -> None:
+        L = self.n_layers
+        self.aux_loss, self.dropped, self.tokens = buf[:L], buf[L:2 * L], buf[2 * L:].reshape(L, -1)
+
+
+class MixtureOfExperts(Layer):
+    def __init__(self, name: str, d_model: int, topo, out_std: float, num_experts: int, top_k: int,
+                 capacity_factor: float, aux_loss_coef: float, loss_weight: float = 1.0,
+                 block: int = 0, log: RoutingLog | None = None):
+        self.router = TopKRouter(f"{name}.router", d_model, num_experts, top_k, capacity_factor, aux_loss_coef,
+                                 loss_weight)
+        local = num_experts // topo.ep
+        mine = range(topo.ep_rank * local, (topo.ep_rank + 1) * local)
+        self.experts = LocalExperts(f"{name}.experts", d_model, mine, topo, out_std)
+        self.dispatcher = AllToAllDispatcher(topo.ep_comm, num_experts)
+        self.E, self.k, self.block, self.log = num_experts, top_k, block, log
+
+    def parameters(self):
+        return self.router.parameters() + self.experts.parameters()
+
+    def forward(self, x):
+        # x: (B, T, C), whole on every tp rank -> (B, T, C)
+        routing, router_cache = self.router.forward(x)
+        # the kept (token, slot) pairs, sorted by expert (stable: token order within one)
+        token, slot = np.nonzero(routing.kept)
+        expert = routing.chosen[token, slot]
+        by_expert = np.argsort(expert, kind="stable")
+        token, slot = token[by_expert], slot[by_expert]
+        plan = self.dispatcher.plan(np.bincount(expert, minlength=self.E))
+        expert_in = self.dispatcher.dispatch(rows(x)[token], plan)                 # all-to-all
+        expert_out, experts_cache = self.experts.forward(expert_in, plan.expert_rows)
+        out = self.dispatcher.combine(expert_out, plan)                            # all-to-all back
+        gate = routing.gates[token, slot]
+        y = np.zeros(rows(x).shape, x.dtype)
+        for j in range(self.k):                 # a token appears once per slot: no index repeats
+            at = slot == j
+            y[token[at]] += gate[at, None] * out[at]
+        cache = {"routing": routing, "router": router_cache, "experts": experts_cache, "plan": plan,
+                 "token": token, "slot": slot, "out": out}
+        return y.reshape(x.shape), cache
+
+    def backward_input(self, dy, cache):
+        token, slot, out, plan = cache["token"], cache["slot"], cache["out"], cache["plan"]
+        routing = cache["routing"]
+        dy_rows = rows(dy)[token]                                                  # (kept, C)
+        dgates = np.zeros(routing.gates.shape, dy.dtype)
+        dgates[token, slot] = np.sum(dy_rows * out, axis=1)
+        d_out = routing.gates[token, slot][:, None] * dy_rows
+        d_expert_out = self.dispatcher.dispatch(d_out, plan)          # the combine's backward: a dispatch
+        d_expert_in = self.experts.backward_input(d_expert_out, cache["experts"])
+        d_in = self.dispatcher.combine(d_expert_in, plan)            # the dispatch's backward: a combine
+        dx = self.router.backward_input(dgates, cache["router"])
+        dx_rows = rows(dx)
+        for j in range(self.k):
+            at = slot == j
+            dx_rows[token[at]] += d_in[at]
+        if self.log is not None:
+            self.log.record(self.block, routing)
+        return dx
+
+    def backward_weights(self, cache):
+        self.experts.backward_weights(cache["experts"])
+        self.router.backward_weights(cache["router"])

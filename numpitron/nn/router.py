@@ -1,0 +1,107 @@
+"""The router of a mixture-of-experts layer: which experts see each token, with what
+weight, and the load-balancing loss that keeps them all busy.
+
+    logits = x @ W_r              (one linear layer, no bias; W_r is C x E)
+    p      = softmax(logits)      over the E experts
+    chosen = the k largest p      (ties: the lower expert index)
+    gate   = p[chosen]            not renormalised over the k (Switch Transformer, Fedus
+                                  et al. 2021, eqs. 1-2): with k = 1 a renormalised gate
+                                  would always be 1 and the language-model loss would
+                                  never teach the router anything.
+
+Capacity (Switch §2.2). Every statistic of the routing is taken per sequence (a row
+of T tokens), so it is the same whatever rows a rank happens to hold: on any mesh,
+with any micro-batch size. Expert i accepts at most ceil(c * k * T / E) of a
+sequence's assignments, in the order of their tokens' positions (a token's k choices
+before the next token's); the rest are dropped, and those tokens skip the expert
+(the block's residual carries them on). Position order makes dropping causal: whether
+token t is dropped depends only on tokens 0..t, so no token learns of the future
+through it. c = 0 is dropless.
+
+Load balancing (Switch eq. 4, taken per sequence as DeepSeek-V3's sequence-wise
+auxiliary loss): with f_i the share of the sequence's k*T assignments chosen for
+expert i (before dropping) and P_i the mean router probability of expert i over its
+T tokens,
+
+    aux = alpha * E * sum_i f_i * P_i,   averaged over the sequences of the micro-batch,
+
+which is alpha when the load is perfectly even. f is a count and has no gradient;
+d aux / d p[t, i] = alpha * E * f_i / (B * T) for token t of sequence b.
+"""
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from numpitron.nn.layer import Layer, rows
+from numpitron.nn.param import Param
+
+
+@dataclass
+class Routing:
+    """The decisions for a micro-batch of N = B*T tokens, each (N, k) unless noted."""
+    chosen: np.ndarray           # expert index of every assignment
+    gates: np.ndarray            # its weight p[chosen]
+    kept: np.ndarray             # False where the expert was full (dropped)
+    aux_loss: float              # the load-balancing loss of this micro-batch
+    tokens_per_expert: np.ndarray  # (E,) assignments chosen (before dropping)
+
+
+def capacity(capacity_factor: float, top_k: int, seq_len: int, num_experts: int) -> int:
+    """Assignments one expert accepts from one sequence (a sequence has k*T); 0: no limit."""
+    return math.ceil(capacity_factor * top_k * seq_len / num_experts) if capacity_factor > 0 else 0
+
+
+class TopKRouter(Layer):
+    """forward(x (B, T, C)) -> (Routing, cache); the gradient it takes back is dL/dgates
+    (N, k); the aux loss's own gradient is added inside, scaled by `loss_weight` (the
+    weight the schedule gives each micro-batch's loss: the trainer's 1/m)."""
+
+    def __init__(self, name: str, d_model: int, num_experts: int, top_k: int, capacity_factor: float,
+                 aux_loss_coef: float, loss_weight: float = 1.0):
+        self.weight = Param(f"{name}.weight", (d_model, num_experts))     # replicated over tp
+        self.E, self.k, self.capacity_factor = num_experts, top_k, capacity_factor
+        self.aux_loss_coef, self.loss_weight = aux_loss_coef, loss_weight
+
+    def parameters(self):
+        return [self.weight]
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        E, k = self.E, self.k
+        logits = rows(x) @ self.weight.data                                   # (N, E)
+        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probs /= probs.sum(axis=1, keepdims=True)
+        chosen = np.argsort(-probs, axis=1, kind="stable")[:, :k]           # (N, k)
+        gates = np.take_along_axis(probs, chosen, axis=1)
+        # Each assignment's place in its expert's queue within its sequence, in token
+        # order: a running count over the sequence's k*T assignments.
+        one_hot = np.zeros((B, T * k, E), np.int64)
+        np.put_along_axis(one_hot, chosen.reshape(B, T * k, 1), 1, axis=2)
+        place = np.take_along_axis(np.cumsum(one_hot, axis=1), chosen.reshape(B, T * k, 1), axis=2)
+        limit = capacity(self.capacity_factor, k, T, E)
+        kept = (place <= limit).reshape(-1, k) if limit else np.ones_like(chosen, bool)
+        # Switch's load-balancing loss, per sequence (module docstring)
+        f = one_hot.sum(axis=1) / (k * T)                                     # (B, E)
+        P = probs.reshape(B, T, E).mean(axis=1)                               # (B, E)
+        aux = self.aux_loss_coef * E * float(np.mean(np.sum(f * P, axis=1)))
+        routing = Routing(chosen, gates, kept, aux, one_hot.sum(axis=(0, 1)))
+        return routing, {"x": x, "probs": probs, "chosen": chosen, "f": f}
+
+    def backward_input(self, dgates, cache):
+        """dgates: dL/dgate (N, k), zero for dropped assignments. Returns dL/dx."""
+        probs, chosen, f = cache["probs"], cache["chosen"], cache["f"]
+        B, T, _ = cache["x"].shape
+        dprobs = np.zeros_like(probs)
+        np.put_along_axis(dprobs, chosen, dgates, axis=1)                    # k distinct experts: no collisions
+        # the aux loss: d/dp[t, i] = w * alpha * E * f[b, i] / (B * T)
+        scale = self.loss_weight * self.aux_loss_coef * self.E / (B * T)
+        dprobs += np.repeat(scale * f, T, axis=0)
+        # softmax: dlogits = p * (dp - sum_j p_j dp_j)
+        dlogits = probs * (dprobs - np.sum(probs * dprobs, axis=1, keepdims=True))
+        cache["dlogits"] = dlogits
+        return (dlogits @ self.weight.data.T).reshape(cache["x"].shape)
+
+    def backward_weights(self, cache):
+        self.weight.grad += rows(cache["x"]).T @ cache["dlogits"]
