@@ -3,7 +3,7 @@ them (and the MPI world) into validated configs and a Topology."""
 
 import argparse
 
-from numpitron.config import DTYPES, RECOMPUTE, ModelConfig, ParallelConfig, TrainConfig, check_layout
+from numpitron.config import DTYPES, RECOMPUTE, SCHEDULES, ModelConfig, ParallelConfig, TrainConfig, check_layout
 from numpitron.errors import UserError
 
 
@@ -34,7 +34,10 @@ def add_mesh_flags(p: argparse.ArgumentParser) -> None:
 def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     d = ParallelConfig()
     g = p.add_argument_group("parallelism")
-    g.add_argument("--pipeline-schedule", choices=["gpipe", "1f1b"], default=d.schedule)
+    g.add_argument("--pipeline-schedule", choices=SCHEDULES, default=d.schedule,
+                   help="the order of forwards and backwards on each stage (docs/10-pipeline-schedules.md)")
+    g.add_argument("--virtual-stages", type=int, default=d.virtual_stages,
+                   help="chunks of layers per pipeline rank, with --pipeline-schedule interleaved")
     g.add_argument("--zero-stage", type=int, choices=[0, 1], default=d.zero_stage)
     g.add_argument("--bucket-size", type=int, default=d.bucket_size,
                    help="elements per data-parallel gradient bucket")
@@ -94,7 +97,7 @@ def configs_from_args(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
     in from the tokenizer later; nothing checked here depends on it."""
     model = ModelConfig(seq_len=args.seq_len, n_layers=args.n_layers, n_heads=args.n_heads,
                         d_model=args.d_model, dtype=args.dtype).validate()
-    parallel = ParallelConfig(schedule=args.pipeline_schedule, zero_stage=args.zero_stage,
+    parallel = ParallelConfig(schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages, zero_stage=args.zero_stage,
                               bucket_size=args.bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
                               sequence_parallel=args.sequence_parallel, recompute=args.recompute).validate()
     train = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size or 0,

@@ -16,11 +16,12 @@ The steps (docs/architecture.md, "One training step"):
 import numpy as np
 
 from numpitron.data.batches import global_batch
+from numpitron.distributed.agree import on_every_rank
 from numpitron.model import GPTStage
 from numpitron.optim.schedule import learning_rate
 from numpitron.parallel.context import local_positions
 from numpitron.parallel.optimizer import make_optimizer
-from numpitron.parallel.pipeline import forward_only, run_schedule
+from numpitron.parallel.pipeline import check_backward_splits, forward_only, run_schedule
 
 
 class Trainer:
@@ -31,7 +32,9 @@ class Trainer:
         self.num_microbatches = train_cfg.num_microbatches(topo.dp)
         self.global_batch_size = train_cfg.global_batch(topo.dp)
         self.model = GPTStage(model_cfg, topo, seed=train_cfg.seed, sequence_parallel=parallel_cfg.sequence_parallel,
-                              recompute=parallel_cfg.recompute)
+                              recompute=parallel_cfg.recompute, virtual_stages=parallel_cfg.virtual_stages)
+        # Every rank learns if any stage holds a layer the schedule cannot run.
+        on_every_rank(topo.world, lambda: check_backward_splits(self.model, parallel_cfg.schedule))
         self.optimizer = make_optimizer(self.model.store, topo, train_cfg, parallel_cfg)
         self.iteration = 0          # number of completed optimizer steps
         self.best_val_loss = float("inf")
@@ -82,6 +85,7 @@ class Trainer:
         for name, tokens in splits.items():
             losses = []
             for k in range(eval_iters):
-                losses += forward_only(self.model, self.topo, self.microbatches(tokens, f"eval-{name}", k))
+                losses += forward_only(self.model, self.topo, self.microbatches(tokens, f"eval-{name}", k),
+                                       self.parallel_cfg.schedule)
             out[name] = self.mean_loss(losses)
         return out
