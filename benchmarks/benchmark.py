@@ -207,7 +207,8 @@ def main():
         P, m, parallel = topo.pp, trainer.num_microbatches, trainer.parallel_cfg
         result["pipeline_schedule"] = f"{parallel.schedule} v={parallel.virtual_stages}"
         result["pipeline_bubble_measured_median"] = round(float(np.median(per_iter)), 4)
-        result["pipeline_bubble_formula"] = round(closed_form_bubble(parallel.schedule, P, m, parallel.virtual_stages), 4)
+        formula = closed_form_bubble(parallel.schedule, P, m, parallel.virtual_stages)
+        result["pipeline_bubble_formula"] = round(formula, 4)
         result["peak_in_flight_per_rank"] = [r["peak_in_flight"] for r in ranks]
     print(json.dumps(result), flush=True)
 

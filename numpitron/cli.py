@@ -97,7 +97,8 @@ def configs_from_args(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
     in from the tokenizer later; nothing checked here depends on it."""
     model = ModelConfig(seq_len=args.seq_len, n_layers=args.n_layers, n_heads=args.n_heads,
                         d_model=args.d_model, dtype=args.dtype).validate()
-    parallel = ParallelConfig(schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages, zero_stage=args.zero_stage,
+    parallel = ParallelConfig(schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages,
+                              zero_stage=args.zero_stage,
                               bucket_size=args.bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
                               sequence_parallel=args.sequence_parallel, recompute=args.recompute).validate()
     train = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size or 0,

@@ -152,4 +152,5 @@ class GPTStage(Layer):
     def new_kv_cache(self, batch: int, chunk: int = 0) -> KVCache:
         """An empty key/value cache for generating `batch` sequences through a chunk."""
         heads = self.model_cfg.n_heads // self.topo.tp
-        return KVCache(len(self.chunk_blocks[chunk]), batch, heads, self.model_cfg.seq_len, self.model_cfg.head_dim, self.dtype)
+        return KVCache(len(self.chunk_blocks[chunk]), batch, heads, self.model_cfg.seq_len, self.model_cfg.head_dim,
+                       self.dtype)

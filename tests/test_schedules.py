@@ -4,6 +4,7 @@ end), its bubble the papers' formula, its memory what the papers say; and what a
 schedule cannot run is one clear error."""
 
 import pytest
+from mpi4py import MPI
 
 from numpitron.config import ParallelConfig, check_layout
 from numpitron.distributed.topology import Topology
@@ -13,7 +14,7 @@ from numpitron.nn.layer import Layer
 from numpitron.parallel.pipeline import check_backward_splits
 from numpitron.parallel.schedules import (SCHEDULE_NAMES, Op, ScheduleError, closed_form_bubble, format_schedule,
                                           ideal_bubble, make_schedule, peak_in_flight, simulate)
-from tests.harness import tiny_model, tiny_train
+from tests.harness import make_trainer, tiny_model, tiny_train
 
 
 def cases():
@@ -24,7 +25,8 @@ def cases():
                 if name == "interleaved" and p == 1:
                     continue
                 step = p if name == "interleaved" else 1
-                for m in sorted({step, 2 * step, 3 * step, 4 * step, 5 * step} | ({1, 3, p + 1, 2 * p + 3} if step == 1 else set())):
+                extra = {1, 3, p + 1, 2 * p + 3} if step == 1 else set()      # m below, at and above p
+                for m in sorted({step, 2 * step, 3 * step, 4 * step, 5 * step} | extra):
                     yield name, p, m, v
 
 
@@ -127,3 +129,20 @@ def test_zero_bubble_refuses_a_layer_that_cannot_split_its_backward():
     check_backward_splits(model, "1f1b")                    # a whole backward is all 1F1B needs
     with pytest.raises(UserError, match="WholeBackwardOnly has only a whole backward"):
         check_backward_splits(model, "zero-bubble")
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_a_layer_on_one_stage_only_fails_every_rank_alike(monkeypatch):
+    """Only the last stage holds the layer that cannot split: both ranks raise the same
+    one-line error instead of one going on into the pipeline alone."""
+    import numpitron.trainer
+
+    class StageWithOddLayer(GPTStage):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if self.last:
+                self.layers.append(WholeBackwardOnly())
+    monkeypatch.setattr(numpitron.trainer, "GPTStage", StageWithOddLayer)
+    with pytest.raises(UserError, match="WholeBackwardOnly has only a whole backward") as error:
+        make_trainer(pipeline=2, schedule="zero-bubble")
+    assert MPI.COMM_WORLD.allgather(str(error.value)) == [str(error.value)] * 2

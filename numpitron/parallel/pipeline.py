@@ -51,16 +51,10 @@ class _Route:
 
     def __init__(self, model, topo, m: int):
         self.model, self.topo, self.m = model, topo, m
-        self.p, self.stages = topo.pp, topo.pp * model.virtual_stages
+        self.p = topo.pp
 
     def virtual_stage(self, chunk: int) -> int:
         return chunk * self.p + self.topo.pp_rank
-
-    def takes_tokens(self, chunk: int) -> bool:
-        return self.virtual_stage(chunk) == 0
-
-    def gives_loss(self, chunk: int) -> bool:
-        return self.virtual_stage(chunk) == self.stages - 1
 
     def tag(self, receiving_stage: int, kind: int, microbatch: int) -> int:
         """One tag per message of the iteration: (receiving virtual stage, micro-batch, kind)."""
@@ -119,20 +113,20 @@ def run_schedule(model, topo, microbatches, schedule: str, loss_weight: float, g
         (tokens, targets), key, chunk = microbatches[op.microbatch], (op.microbatch, op.chunk), op.chunk
         ready = grads_ready if index in final else None
         if op.kind == FORWARD:
-            inputs = tokens if route.takes_tokens(chunk) else route.receive(ACTIVATION, tokens, *key)
+            inputs = tokens if model.opens(chunk) else route.receive(ACTIVATION, tokens, *key)
             start = time.perf_counter()
             out, caches[key] = model.forward(inputs, targets, chunk=chunk)
             stats.events.append((op.kind, op.microbatch, start - t0, time.perf_counter() - t0, chunk))
             stats.peak_in_flight = max(stats.peak_in_flight, len(caches))
             kept[key] = cache_nbytes(caches[key])       # micro-batches share no buffers: a sum
             stats.peak_activation_bytes = max(stats.peak_activation_bytes, sum(kept.values()))
-            if route.gives_loss(chunk):
+            if model.closes(chunk):
                 losses.append(out)
             else:
                 pending_sends.append(route.send(ACTIVATION, out, *key))
             continue
         if op.kind in (BACKWARD, INPUT_GRAD):
-            dout = loss_weight if route.gives_loss(chunk) else route.receive(GRADIENT, tokens, *key)
+            dout = loss_weight if model.closes(chunk) else route.receive(GRADIENT, tokens, *key)
         start = time.perf_counter()
         if op.kind == BACKWARD:          # both halves, layer by layer
             dinputs = model.backward(dout, caches.pop(key), ready, chunk=chunk)
@@ -141,7 +135,7 @@ def run_schedule(model, topo, microbatches, schedule: str, loss_weight: float, g
         else:
             model.backward_weights(caches.pop(key), ready, chunk=chunk)
         stats.events.append((op.kind, op.microbatch, start - t0, time.perf_counter() - t0, chunk))
-        if op.kind != WEIGHT_GRAD and not route.takes_tokens(chunk):
+        if op.kind != WEIGHT_GRAD and not model.opens(chunk):
             pending_sends.append(route.send(GRADIENT, dinputs, *key))
         if key not in caches:
             kept.pop(key)
@@ -158,9 +152,9 @@ def forward_only(model, topo, microbatches, schedule: str = "1f1b"):
     losses, pending_sends = [], []
     for op in (op for op in ops if op.kind == FORWARD):
         (tokens, targets), key = microbatches[op.microbatch], (op.microbatch, op.chunk)
-        inputs = tokens if route.takes_tokens(op.chunk) else route.receive(ACTIVATION, tokens, *key)
+        inputs = tokens if model.opens(op.chunk) else route.receive(ACTIVATION, tokens, *key)
         out, _ = model.forward(inputs, targets, chunk=op.chunk)
-        if route.gives_loss(op.chunk):
+        if model.closes(op.chunk):
             losses.append(out)
         else:
             pending_sends.append(route.send(ACTIVATION, out, *key))
