@@ -13,13 +13,11 @@ per seq_len/2 tokens instead of once per token.
 Pipeline stages pass each new token's activations (B, 1, C) stage to stage; every
 stage keeps the key/value cache of its own blocks, and the last stage's logits are
 broadcast back over pp so every stage draws the same token. Data-parallel replicas
-split the samples: sample k draws from its own generator, seeded (seed, k), so the
+split the samples (as evenly as they divide): sample k draws from its own generator, seeded (seed, k), so the
 text of each sample is the same whatever the mesh.
 """
 
 import numpy as np
-
-from numpitron.distributed.sharding import shard_bounds
 
 ACTIVATION_TAG = 0
 
@@ -66,15 +64,27 @@ def sample_next(logits, rngs, temperature: float, top_k: int | None):
 def generate(model, prompt_ids, max_new_tokens: int, num_samples: int = 1, temperature: float = 1.0,
              top_k: int | None = None, seed: int = 0) -> np.ndarray:
     """Returns (num_samples, len(prompt) + max_new_tokens) token ids, identical on
-    every rank. This dp rank generates samples [start, stop) of them (num_samples must
-    divide over dp), then the replicas exchange theirs."""
+    every rank. Replica d of dp generates samples [d n / dp, (d + 1) n / dp), rounded
+    down (none, when there are fewer samples than replicas), then the replicas
+    exchange theirs."""
     topo, T = model.topo, model.model_cfg.seq_len
     if model.virtual_stages != 1 or topo.cp != 1:
         raise ValueError("generation runs on one chunk per stage and whole sequences (cp = 1)")
-    start, stop = shard_bounds(num_samples, topo.dp, topo.dp_rank)
-    rngs = [np.random.default_rng([seed, k]) for k in range(start, stop)]
-    kv = model.new_kv_cache(stop - start)
-    out = np.tile(np.asarray(prompt_ids, np.int64), (stop - start, 1))
+    shares = [(d * num_samples // topo.dp, (d + 1) * num_samples // topo.dp) for d in range(topo.dp)]
+    start, stop = shares[topo.dp_rank]
+    everyone = np.zeros((topo.dp, -(-num_samples // topo.dp), len(prompt_ids) + max_new_tokens), np.int64)
+    if stop > start:                      # the whole replica (its tp and pp groups) alike
+        prompts = np.tile(np.asarray(prompt_ids, np.int64), (stop - start, 1))
+        rngs = [np.random.default_rng([seed, k]) for k in range(start, stop)]
+        everyone[topo.dp_rank, :stop - start] = _generate_rows(model, prompts, max_new_tokens, rngs, temperature, top_k)
+    topo.dp_comm.all_gather(everyone)
+    return np.concatenate([everyone[d, :b - a] for d, (a, b) in enumerate(shares)])
+
+
+def _generate_rows(model, out, max_new_tokens: int, rngs, temperature: float, top_k: int | None) -> np.ndarray:
+    """Extend each row of `out` by max_new_tokens tokens, row i drawing from rngs[i]."""
+    T = model.model_cfg.seq_len
+    kv = model.new_kv_cache(len(out))
     logits = next_token_logits(model, out[:, -T:], kv)
     for _ in range(max_new_tokens):
         token = sample_next(logits, rngs, temperature, top_k)
@@ -84,6 +94,4 @@ def generate(model, prompt_ids, max_new_tokens: int, num_samples: int = 1, tempe
             logits = next_token_logits(model, out[:, -(T // 2):], kv)
         else:
             logits = next_token_logits(model, token[:, None], kv)
-    everyone = np.empty((topo.dp,) + out.shape, np.int64)
-    everyone[topo.dp_rank] = out
-    return topo.dp_comm.all_gather(everyone).reshape(num_samples, -1)
+    return out

@@ -62,8 +62,9 @@ def interleaved(m: int, p: int, stage: int, v: int = 1) -> list[Op]:
     def nth(k: int, backward: bool) -> tuple[int, int]:
         # The k-th forward (backward) of this rank: groups of p micro-batches, chunk by
         # chunk (the backward goes through the chunks in reverse).
-        group, chunk = divmod(k, p * v)[0], (k // p) % v
-        return group * p + k % p, (v - 1 - chunk if backward else chunk)
+        group, within = divmod(k, p * v)        # which p micro-batches; where in their p*v operations
+        chunk = within // p
+        return group * p + within % p, (v - 1 - chunk if backward else chunk)
 
     warmup = min((p - stage - 1) + (v - 1) * p, total)
     ops = [Op(FORWARD, *nth(k, False)) for k in range(warmup)]
