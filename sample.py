@@ -1,7 +1,8 @@
-"""Sample text from a trained checkpoint, on one process or across tensor-parallel ranks.
+"""Sample text from a trained checkpoint, on one process or on any tp x pp x dp mesh.
 
     python sample.py --prompt "ROMEO:" --max-new-tokens 300
     mpiexec -n 2 python sample.py --tensor-parallel-size 2
+    mpiexec -n 4 python sample.py --pipeline-parallel-size 2 --data-parallel-size 2 --num-samples 4
 """
 
 import sys
@@ -49,9 +50,8 @@ def main(argv=None) -> int:
         raise UserError("--temperature must be >= 0 and --top-k positive")
     if not args.prompt:
         raise UserError("--prompt must not be empty")
-    if args.pipeline_parallel_size != 1 or args.data_parallel_size not in (None, 1) or args.context_parallel_size != 1:
-        raise UserError("sampling runs on tensor-parallel ranks only: leave out --pipeline-parallel-size, "
-                        "--context-parallel-size and --data-parallel-size")
+    if args.context_parallel_size != 1:
+        raise UserError("sampling generates one token at a time: leave out --context-parallel-size")
     path = Path(args.checkpoint) if args.checkpoint else latest_checkpoint(Path(args.out_dir) / "checkpoints")
     if path is None:
         raise UserError(f"no checkpoint in {Path(args.out_dir) / 'checkpoints'}; train first or pass --checkpoint")

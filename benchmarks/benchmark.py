@@ -32,7 +32,7 @@ from mpi4py import MPI  # noqa: E402
 
 from numpitron.cli import setup_training, training_parser  # noqa: E402
 from numpitron.config import ModelConfig  # noqa: E402
-from numpitron.parallel.pipeline import bubble_fraction  # noqa: E402
+from numpitron.parallel.schedules import closed_form_bubble  # noqa: E402
 from numpitron.trainer import Trainer  # noqa: E402
 
 VOCAB, N_TOKENS = 65, 200_000
@@ -123,7 +123,8 @@ def timed_steps(trainer, tokens, iters: int, world) -> dict:
             "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,     # Linux: KiB
             "optimizer_state_bytes": sum(o.state_nbytes() for o in trainer.optimizers),
             "memory_bytes": trainer.optimizer.memory_bytes(),
-            "peak_activation_bytes": trainer.last_pipeline_stats.peak_activation_bytes}
+            "peak_activation_bytes": trainer.last_pipeline_stats.peak_activation_bytes,
+            "peak_in_flight": trainer.last_pipeline_stats.peak_in_flight}
 
 
 def main():
@@ -213,9 +214,12 @@ def main():
         # optimizer step is outside it), i.e. 1 - sum(busy) / sum(wall) over stages.
         per_iter = [1 - sum(r["bubbles"][i][0] for r in ranks) / sum(r["bubbles"][i][1] for r in ranks)
                     for i in range(args.iters)]
-        P, m = topo.pp, trainer.num_microbatches
+        P, m, parallel = topo.pp, trainer.num_microbatches, trainer.parallel_cfg
+        result["pipeline_schedule"] = f"{parallel.schedule} v={parallel.virtual_stages}"
         result["pipeline_bubble_measured_median"] = round(float(np.median(per_iter)), 4)
-        result["pipeline_bubble_formula"] = round(bubble_fraction(P, m), 4)
+        formula = closed_form_bubble(parallel.schedule, P, m, parallel.virtual_stages)
+        result["pipeline_bubble_formula"] = round(formula, 4)
+        result["peak_in_flight_per_rank"] = [r["peak_in_flight"] for r in ranks]
     print(json.dumps(result), flush=True)
 
 

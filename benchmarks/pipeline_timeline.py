@@ -1,11 +1,14 @@
-"""Draw one real pipeline iteration per stage, GPipe beside 1F1B, as an SVG.
+"""Draw one real pipeline iteration per stage for each schedule (GPipe, 1F1B,
+interleaved 1F1B with 2 virtual stages, zero-bubble ZB-H1), as an SVG.
 
-    mpiexec -n 4 python benchmarks/pipeline_timeline.py --out docs/pipeline_timeline.svg
+    mpiexec -n 2 python benchmarks/pipeline_timeline.py --out docs/pipeline_timeline.svg
 
-Every stage records when each forward and backward of each micro-batch started and
-ended (PipelineStats.events); rank 0 gathers them and draws a row per stage: the
-gaps are the pipeline bubble. The figure states the measured bubble beside the
-formula (P-1)/(m+P-1) and the peak micro-batches held at once per stage.
+Every stage records when each operation of each micro-batch started and ended
+(PipelineStats.events); rank 0 gathers them and draws a row per stage: the gaps are
+the pipeline bubble. Each panel states the measured bubble beside the schedule's
+formula (parallel/schedules.py, closed_form_bubble) and the peak (micro-batch,
+chunk) pairs held at once per stage. The model has 2p layers, so that interleaving
+gives every chunk one block.
 """
 
 import argparse
@@ -19,13 +22,15 @@ from numpitron.runtime import configure_process  # noqa: E402
 
 configure_process(sys.argv)
 
-from numpitron.parallel.pipeline import bubble_fraction  # noqa: E402
+from numpitron.parallel.schedules import closed_form_bubble  # noqa: E402
 
-COLORS = {"F": "#4c78a8", "B": "#f58518"}
+COLORS = {"F": "#4c78a8", "BW": "#f58518", "B": "#e45756", "W": "#54a24b"}
+SCHEDULES = (("gpipe", 1, "GPipe"), ("1f1b", 1, "1F1B"), ("interleaved", 2, "interleaved 1F1B, v = 2"),
+             ("zero-bubble", 1, "zero-bubble (ZB-H1)"))
 ROW_H, LEFT, WIDTH = 26, 70, 900
 
 
-def record_iteration(schedule: str, microbatches: int, warmup: int = 3):
+def record_iteration(schedule: str, virtual: int, microbatches: int, warmup: int = 3):
     import numpy as np
 
     from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
@@ -33,9 +38,9 @@ def record_iteration(schedule: str, microbatches: int, warmup: int = 3):
     from numpitron.trainer import Trainer
 
     topo = Topology.from_world(1, _world_size(), 1)
-    model = ModelConfig(n_layers=max(4, topo.pp), n_heads=4, d_model=128, seq_len=64)
+    model = ModelConfig(n_layers=2 * topo.pp, n_heads=4, d_model=128, seq_len=64)
     train = TrainConfig(micro_batch_size=4, global_batch_size=4 * microbatches)
-    trainer = Trainer(model, ParallelConfig(schedule=schedule).validate(), train, topo)
+    trainer = Trainer(model, ParallelConfig(schedule=schedule, virtual_stages=virtual).validate(), train, topo)
     tokens = np.random.default_rng(0).integers(0, 65, 100_000).astype(np.uint16)
     for _ in range(warmup + 1):          # the last iteration is the one drawn
         trainer.train_step(tokens)
@@ -50,32 +55,35 @@ def _world_size() -> int:
 
 
 def draw(panels, microbatches: int) -> str:
-    """panels: [(title, per_stage)], per_stage = [(events, wall_s, peak)] by stage."""
-    stages = len(panels[0][1])
+    """panels: [(schedule, v, title, per_stage)], per_stage = [(events, wall_s, peak)] by stage."""
+    stages = len(panels[0][3])
     panel_h = (stages + 2) * ROW_H
     height = panel_h * len(panels) + 46
     svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + 20}" height="{height}" '
            'font-family="sans-serif" font-size="12">', '<rect width="100%" height="100%" fill="white"/>']
-    longest = max(wall for _, per_stage in panels for _, wall, _ in per_stage)
+    longest = max(wall for *_, per_stage in panels for _, wall, _ in per_stage)
     scale = WIDTH / longest
-    for p, (title, per_stage) in enumerate(panels):
+    for p, (schedule, virtual, title, per_stage) in enumerate(panels):
         top = p * panel_h + 20
-        busy = [sum(e - s for _, _, s, e in events) for events, _, _ in per_stage]
+        busy = [sum(event[3] - event[2] for event in events) for events, _, _ in per_stage]
         bubble = 1 - sum(busy) / sum(wall for _, wall, _ in per_stage)
-        formula = bubble_fraction(stages, microbatches)
+        formula = closed_form_bubble(schedule, stages, microbatches, virtual)
         svg.append(f'<text x="{LEFT}" y="{top}" font-weight="bold">{title}: measured bubble '
-                   f'{bubble:.1%}, formula (P-1)/(m+P-1) = {formula:.1%}; peak in flight per stage '
+                   f'{bubble:.1%}, formula {formula:.1%}; peak in flight per stage '
                    f'{[peak for _, _, peak in per_stage]}</text>')
         for s, (events, wall, _) in enumerate(per_stage):
             y = top + 10 + s * ROW_H
             svg.append(f'<text x="5" y="{y + 16}">stage {s}</text>')
             svg.append(f'<rect x="{LEFT}" y="{y}" width="{wall * scale:.1f}" height="{ROW_H - 6}" fill="#eeeeee"/>')
-            for op, mb, start, end in events:
+            for op, mb, start, end, chunk in events:
                 x, w = LEFT + start * scale, max((end - start) * scale, 1)
+                label = f"{mb}" + (f":{chunk}" if virtual > 1 else "")
                 svg.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{ROW_H - 6}" fill="{COLORS[op]}" '
-                           f'stroke="white"/><text x="{x + 3:.1f}" y="{y + 14}" fill="white">{op}{mb}</text>')
-    svg.append(f'<text x="{LEFT}" y="{height - 24}">blue: forward, orange: backward, grey: idle '
-               f'(waiting for a neighbour); time runs left to right, {longest * 1e3:.0f} ms across</text>')
+                           f'stroke="white"/><text x="{x + 2:.1f}" y="{y + 14}" fill="white" font-size="9">'
+                           f'{label}</text>')
+    svg.append(f'<text x="{LEFT}" y="{height - 24}">blue: forward, orange: whole backward, red: its input half B, '
+               f'green: its weight half W, grey: idle (waiting for a neighbour); labels: micro-batch[:chunk]; '
+               f'{longest * 1e3:.0f} ms across</text>')
     svg.append(f'<text x="{LEFT}" y="{height - 8}" font-size="9" fill="#555">mpiexec -n {stages} python '
                f'benchmarks/pipeline_timeline.py on {platform.machine()}, {os.cpu_count()} cores</text>')
     svg.append("</svg>")
@@ -88,9 +96,9 @@ def main():
     parser.add_argument("--out", default="docs/pipeline_timeline.svg")
     args, _ = parser.parse_known_args()
     panels = []
-    for schedule, title in (("gpipe", "GPipe"), ("1f1b", "1F1B")):
-        topo, per_stage = record_iteration(schedule, args.microbatches)
-        panels.append((title, per_stage))
+    for schedule, virtual, title in SCHEDULES:
+        topo, per_stage = record_iteration(schedule, virtual, args.microbatches)
+        panels.append((schedule, virtual, title, per_stage))
     if topo.rank == 0:
         Path(args.out).write_text(draw(panels, args.microbatches))
         print(f"wrote {args.out}")

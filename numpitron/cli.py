@@ -3,7 +3,7 @@ them (and the MPI world) into validated configs and a Topology."""
 
 import argparse
 
-from numpitron.config import DTYPES, RECOMPUTE, ZERO_STAGES, ModelConfig, ParallelConfig, TrainConfig, check_layout
+from numpitron.config import DTYPES, RECOMPUTE, SCHEDULES, ZERO_STAGES, ModelConfig, ParallelConfig, TrainConfig, check_layout
 from numpitron.errors import UserError
 
 
@@ -36,7 +36,10 @@ def add_mesh_flags(p: argparse.ArgumentParser) -> None:
 def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     d = ParallelConfig()
     g = p.add_argument_group("parallelism")
-    g.add_argument("--pipeline-schedule", choices=["gpipe", "1f1b"], default=d.schedule)
+    g.add_argument("--pipeline-schedule", choices=SCHEDULES, default=d.schedule,
+                   help="the order of forwards and backwards on each stage (docs/10-pipeline-schedules.md)")
+    g.add_argument("--virtual-stages", type=int, default=d.virtual_stages,
+                   help="chunks of layers per pipeline rank, with --pipeline-schedule interleaved")
     g.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=d.zero_stage,
                    help="shard over dp: 1 the optimizer state, 2 also the gradients, 3 also the parameters")
     g.add_argument("--bucket-size", type=int, default=d.bucket_size,
@@ -109,7 +112,8 @@ def configs_from_args(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
                         moe_top_k=args.moe_top_k, moe_every=args.moe_every,
                         moe_capacity_factor=args.moe_capacity_factor,
                         moe_aux_loss_coef=args.moe_aux_loss_coef).validate()
-    parallel = ParallelConfig(schedule=args.pipeline_schedule, zero_stage=args.zero_stage,
+    parallel = ParallelConfig(schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages,
+                              zero_stage=args.zero_stage,
                               bucket_size=args.bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
                               sequence_parallel=args.sequence_parallel, recompute=args.recompute).validate()
     train = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size or 0,

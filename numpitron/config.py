@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields
 from numpitron.errors import UserError
 
 DTYPES = ("float32", "float64")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")      # parallel/schedules.py
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -58,7 +59,8 @@ ZERO_STAGES = (0, 1, 2, 3)
 class ParallelConfig:
     """How to parallelise, beyond the mesh's sizes (which only the Topology holds)."""
 
-    schedule: str = "1f1b"           # "gpipe" or "1f1b"; only matters with pipeline stages
+    schedule: str = "1f1b"           # one of SCHEDULES; only matters with pipeline stages
+    virtual_stages: int = 1          # chunks of layers per pipeline rank (interleaved 1F1B)
     zero_stage: int = 0
     bucket_size: int = 1 << 20       # elements per data-parallel gradient bucket
     overlap_grad_reduce: bool = True # start each bucket's all-reduce during the backward
@@ -66,11 +68,15 @@ class ParallelConfig:
     recompute: str = "none"          # "none", "selective" (attention probabilities) or "full" (blocks)
 
     def validate(self) -> "ParallelConfig":
-        _positive(self, "bucket_size")
+        _integers(self, "virtual_stages")
+        _positive(self, "bucket_size", "virtual_stages")
         if self.recompute not in RECOMPUTE:
             raise UserError(f"unknown recompute {self.recompute!r}; choose one of {', '.join(RECOMPUTE)}")
-        if self.schedule not in ("gpipe", "1f1b"):
-            raise UserError(f"unknown pipeline schedule {self.schedule!r}; choose gpipe or 1f1b")
+        if self.schedule not in SCHEDULES:
+            raise UserError(f"unknown pipeline schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if (self.schedule == "interleaved") != (self.virtual_stages > 1):
+            raise UserError(f"--pipeline-schedule interleaved and --virtual-stages 2 or more go together "
+                            f"(got {self.schedule} with {self.virtual_stages} virtual stages)")
         if self.zero_stage not in ZERO_STAGES:
             raise UserError(f"zero stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         return self
@@ -108,6 +114,8 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
                         f"tensor-parallel size ({tensor})")
     if model.n_layers % pipeline:
         raise UserError(f"n_layers ({model.n_layers}) must be divisible by the pipeline-parallel size ({pipeline})")
+    if parallel is not None and parallel.virtual_stages > 1:
+        _check_interleaving(model, train, pipeline, data, parallel.virtual_stages)
     if context > 1 and model.seq_len % (2 * context):
         raise UserError(f"seq_len ({model.seq_len}) must be divisible by 2 x the context-parallel size "
                         f"({2 * context}): each rank holds two chunks of every sequence (the zigzag split)")
@@ -133,6 +141,21 @@ def _check_experts(model: ModelConfig, parallel, data: int, context: int, expert
     if model.num_experts and parallel is not None and parallel.sequence_parallel:
         raise UserError("mixture-of-experts layers route whole sequences: --num-experts does not combine with "
                         "--sequence-parallel yet")
+
+
+def _check_interleaving(model: ModelConfig, train, pipeline: int, data: int, virtual: int) -> None:
+    """Interleaved 1F1B (Narayanan et al. 2021, §2.2.2): each of the p ranks holds v
+    chunks of n_layers / (p v) blocks, and the micro-batches go round in groups of p."""
+    if pipeline < 2:
+        raise UserError(f"--virtual-stages {virtual} interleaves chunks over pipeline ranks: it needs "
+                        f"--pipeline-parallel-size 2 or more")
+    if model.n_layers % (pipeline * virtual):
+        raise UserError(f"n_layers ({model.n_layers}) must be divisible by pipeline-parallel size x virtual "
+                        f"stages ({pipeline} x {virtual} = {pipeline * virtual}): every chunk holds whole layers")
+    if train is not None and train.num_microbatches(data) % pipeline:
+        raise UserError(f"the interleaved schedule takes micro-batches in groups of the pipeline-parallel size: "
+                        f"{train.num_microbatches(data)} micro-batches per step is not a multiple of {pipeline} "
+                        f"(set --global-batch-size to micro batch x dp x a multiple of {pipeline})")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Autoregressive sampling with a key/value cache, on any tensor-parallel size.
+"""Autoregressive sampling with a key/value cache, on any tp x pp x dp mesh.
 
 The prompt is run through the model once (prefill), filling every attention layer's
 key/value cache; each new token then costs one forward over a single position. It is
@@ -9,9 +9,17 @@ numbers per sample) are gathered, so every rank draws the same token from the sa
 generator. Positions are learned up to seq_len: when the window is full it slides by
 half (the last seq_len/2 tokens are prefilled again), so the prefix is recomputed once
 per seq_len/2 tokens instead of once per token.
+
+Pipeline stages pass each new token's activations (B, 1, C) stage to stage; every
+stage keeps the key/value cache of its own blocks, and the last stage's logits are
+broadcast back over pp so every stage draws the same token. Data-parallel replicas
+split the samples (as evenly as they divide): sample k draws from its own generator, seeded (seed, k), so the
+text of each sample is the same whatever the mesh.
 """
 
 import numpy as np
+
+ACTIVATION_TAG = 0
 
 
 def _gather_logits(local, model):
@@ -24,14 +32,22 @@ def _gather_logits(local, model):
 
 
 def next_token_logits(model, tokens, kv) -> np.ndarray:
-    """Forward tokens (B, t) at the cache's next positions; the last position's
-    logits, (B, V), on every tp rank."""
-    logits, _ = model.forward(tokens, kv=kv)
-    return _gather_logits(np.ascontiguousarray(logits[:, -1]), model)
+    """Forward tokens (B, t) at the cache's next positions through the pipeline; the
+    last position's logits, (B, V), on every rank of it."""
+    topo, (B, t) = model.topo, tokens.shape
+    inputs = tokens if model.first else topo.pp_comm.recv(np.empty(model.input_shape(B, t), model.dtype),
+                                                           topo.prev_stage, ACTIVATION_TAG)
+    out, _ = model.forward(inputs, kv=kv)
+    if not model.last:
+        topo.pp_comm.send(out, topo.next_stage, ACTIVATION_TAG)
+    logits = (np.ascontiguousarray(_gather_logits(np.ascontiguousarray(out[:, -1]), model)) if model.last
+              else np.empty((B, model.model_cfg.vocab_size), model.dtype))
+    return topo.pp_comm.broadcast(logits, root=topo.pp - 1)
 
 
-def sample_next(logits, rng, temperature: float, top_k: int | None):
-    """Draw one token per row from softmax(logits / temperature), keeping the top k."""
+def sample_next(logits, rngs, temperature: float, top_k: int | None):
+    """Draw one token per row from softmax(logits / temperature), keeping the top k;
+    row i draws from rngs[i]."""
     logits = logits.astype(np.float64)
     if temperature == 0:
         return logits.argmax(axis=1)
@@ -41,22 +57,37 @@ def sample_next(logits, rng, temperature: float, top_k: int | None):
         logits = np.where(logits < kth, -np.inf, logits)
     probs = np.exp(logits - logits.max(axis=1, keepdims=True))
     cdf = np.cumsum(probs, axis=1)
-    draws = rng.random(len(cdf))[:, None] * cdf[:, -1:]
+    draws = np.array([rng.random() for rng in rngs])[:, None] * cdf[:, -1:]
     return np.minimum((cdf < draws).sum(axis=1), logits.shape[1] - 1)
 
 
 def generate(model, prompt_ids, max_new_tokens: int, num_samples: int = 1, temperature: float = 1.0,
              top_k: int | None = None, seed: int = 0) -> np.ndarray:
     """Returns (num_samples, len(prompt) + max_new_tokens) token ids, identical on
-    every rank. The model must be a whole (single-stage) model."""
-    if not (model.first and model.last):
-        raise ValueError("generation needs the whole model on one pipeline stage")
-    rng, T = np.random.default_rng(seed), model.model_cfg.seq_len
-    kv = model.new_kv_cache(num_samples)
-    out = np.tile(np.asarray(prompt_ids, np.int64), (num_samples, 1))
+    every rank. Replica d of dp generates samples [d n / dp, (d + 1) n / dp), rounded
+    down (none, when there are fewer samples than replicas), then the replicas
+    exchange theirs."""
+    topo = model.topo
+    if model.virtual_stages != 1 or topo.cp != 1:
+        raise ValueError("generation runs on one chunk per stage and whole sequences (cp = 1)")
+    shares = [(d * num_samples // topo.dp, (d + 1) * num_samples // topo.dp) for d in range(topo.dp)]
+    start, stop = shares[topo.dp_rank]
+    everyone = np.zeros((topo.dp, -(-num_samples // topo.dp), len(prompt_ids) + max_new_tokens), np.int64)
+    if stop > start:                      # the whole replica (its tp and pp groups) alike
+        prompts = np.tile(np.asarray(prompt_ids, np.int64), (stop - start, 1))
+        rngs = [np.random.default_rng([seed, k]) for k in range(start, stop)]
+        everyone[topo.dp_rank, :stop - start] = _generate_rows(model, prompts, max_new_tokens, rngs, temperature, top_k)
+    topo.dp_comm.all_gather(everyone)
+    return np.concatenate([everyone[d, :b - a] for d, (a, b) in enumerate(shares)])
+
+
+def _generate_rows(model, out, max_new_tokens: int, rngs, temperature: float, top_k: int | None) -> np.ndarray:
+    """Extend each row of `out` by max_new_tokens tokens, row i drawing from rngs[i]."""
+    T = model.model_cfg.seq_len
+    kv = model.new_kv_cache(len(out))
     logits = next_token_logits(model, out[:, -T:], kv)
     for _ in range(max_new_tokens):
-        token = sample_next(logits, rng, temperature, top_k)
+        token = sample_next(logits, rngs, temperature, top_k)
         out = np.concatenate([out, token[:, None]], axis=1)
         if kv.pos == T:                   # window full: slide it by half
             kv.reset()

@@ -33,17 +33,22 @@ TOKEN_EMBEDDING = "embedding.token.weight"
 
 
 class GPTStage(Layer):
+    """This rank's layers: one chunk per virtual stage it holds (one without
+    interleaving). Chunk c of pp rank r is virtual stage c*p + r of p*v, and holds
+    that share of the blocks; the embeddings open virtual stage 0, the head closes
+    the last. Block names stay global (`blocks.5...`), whichever rank holds them."""
+
     def __init__(self, model_cfg: ModelConfig, topo, seed: int = 0, sequence_parallel: bool = False,
-                 recompute: str = "none", loss_weight: float = 1.0):
+                 recompute: str = "none", loss_weight: float = 1.0, virtual_stages: int = 1):
         """loss_weight: the weight the schedule gives each micro-batch's loss (1/m); the
         last stage's head receives it as its output gradient, every MoE layer scales its
         aux loss's gradient by it (the role of Megatron's MoEAuxLossAutoScaler)."""
         self.model_cfg, self.topo, self.loss_weight = model_cfg, topo, loss_weight
+        self.virtual_stages = virtual_stages
         self.region = make_region(topo, sequence_parallel)
         self.dtype = np.dtype(model_cfg.dtype)
-        self.first, self.last = topo.is_first_stage, topo.is_last_stage
-        self.layer_start, self.layer_stop = shard_bounds(model_cfg.n_layers, topo.pp, topo.pp_rank)
-        self.layers, self.tied = [], []
+        self.first, self.last = topo.is_first_stage, topo.is_last_stage    # holds the embeddings, the head
+        self.tied = []
         if self.first or self.last:
             # On the last stage of a pipeline this is the head's copy: counted once in
             # the gradient norm (on the first stage) and saved once.
@@ -55,17 +60,23 @@ class GPTStage(Layer):
             position = PositionEmbedding("embedding.position", model_cfg.seq_len, model_cfg.d_model)
             positions = local_positions(model_cfg.seq_len, topo.cp, topo.cp_rank)
             self.embeddings = Embeddings(self.token_embedding, position, positions)
-            self.layers.append(self.embeddings)
         self.routing_log = RoutingLog(model_cfg.n_layers, model_cfg.num_experts)
-        self.blocks = [Block(f"blocks.{i}", model_cfg.d_model, model_cfg.n_heads, model_cfg.n_layers, topo,
-                             self.region, keep_probs=recompute != "selective", moe=self._moe_settings(i))
-                       for i in range(self.layer_start, self.layer_stop)]
-        # Full recomputation keeps each block's input only (nn/recompute.py).
-        self.block_layers = [Recomputed(b) for b in self.blocks] if recompute == "full" else self.blocks
-        self.layers += self.block_layers
         if self.last:
             self.head = LanguageModelHead(self.token_embedding, model_cfg.d_model, topo)
-            self.layers.append(self.head)
+        self.blocks, self.chunk_blocks, self.chunks = [], [], []
+        for chunk in range(virtual_stages):
+            start, stop = shard_bounds(model_cfg.n_layers, topo.pp * virtual_stages, chunk * topo.pp + topo.pp_rank)
+            blocks = [Block(f"blocks.{i}", model_cfg.d_model, model_cfg.n_heads, model_cfg.n_layers, topo,
+                            self.region, keep_probs=recompute != "selective", moe=self._moe_settings(i))
+                      for i in range(start, stop)]
+            # Full recomputation keeps each block's input only (nn/recompute.py).
+            block_layers = [Recomputed(b) for b in blocks] if recompute == "full" else blocks
+            self.blocks += blocks
+            self.chunk_blocks.append(block_layers)
+            self.chunks.append(([self.embeddings] if self.opens(chunk) else []) + block_layers
+                               + ([self.head] if self.closes(chunk) else []))
+        self.layers = [layer for chunk_layers in self.chunks for layer in chunk_layers]
+        self.chunk_offsets = [sum(len(c) for c in self.chunks[:k]) for k in range(virtual_stages)]
         # Every parameter once, in forward order (the tied copy heads the list).
         params = self.tied + [p for layer in self.layers for p in layer.parameters() if p not in self.tied]
         experts = [p for b in self.blocks if isinstance(b.mlp, MixtureOfExperts) for p in b.mlp.experts.parameters()]
@@ -89,6 +100,14 @@ class GPTStage(Layer):
                     aux_loss_coef=c.moe_aux_loss_coef, loss_weight=self.loss_weight, block=block,
                     log=self.routing_log)
 
+    def opens(self, chunk: int) -> bool:
+        """Whether `chunk` is virtual stage 0: it starts with the embeddings."""
+        return self.first and chunk == 0
+
+    def closes(self, chunk: int) -> bool:
+        """Whether `chunk` is the last virtual stage: it ends with the head and the loss."""
+        return self.last and chunk == self.virtual_stages - 1
+
     def parameters(self):
         return [p for store in self.stores for p in store.params]
 
@@ -97,55 +116,66 @@ class GPTStage(Layer):
             store.zero_grad()
 
     def input_shape(self, B: int, T: int) -> tuple:
-        """What this stage receives from the previous one: activations (B, T, C), the
-        sequence split over tp when sequence-parallel."""
+        """What a chunk receives from the previous virtual stage: activations (B, T, C),
+        the sequence split over tp when sequence-parallel."""
         return (B, T // self.region.parts, self.model_cfg.d_model)
 
-    def forward(self, inputs, targets=None, kv: KVCache | None = None):
-        """inputs: token ids (B, T) on the first stage, activations (B, T, C) elsewhere.
-        Returns (output, cache): the last stage's output is the mean loss, or the
-        logits (B, T, V/tp) without targets; the others' are activations to send on."""
+    def forward(self, inputs, targets=None, kv: KVCache | None = None, chunk: int = 0):
+        """inputs: token ids (B, T) into virtual stage 0, activations (B, T, C) elsewhere.
+        Returns (output, cache): the last virtual stage's output is the mean loss, or
+        the logits (B, T, V/tp) without targets; the others' are activations to send on."""
         caches, x = [], inputs
-        for index, layer in enumerate(self.layers):
-            self.residency.before_forward(index)
-            x, layer_cache = layer.forward(x, **self._context(index, targets, kv))
-            self.residency.after_forward(index)
+        offset = self.chunk_offsets[chunk]
+        for i, layer in enumerate(self.chunks[chunk]):
+            self.residency.before_forward(offset + i)
+            x, layer_cache = layer.forward(x, **self._context(chunk, i, targets, kv))
+            self.residency.after_forward(offset + i)
             caches.append(layer_cache)
         if kv is not None:
             kv.advance(inputs.shape[1])
         return x, caches
 
-    def _context(self, index: int, targets, kv) -> dict:
-        """What layer `index` takes beside its input: the head the targets, the
+    def _context(self, chunk: int, i: int, targets, kv) -> dict:
+        """What layer i of a chunk takes beside its input: the head the targets, the
         embeddings the KV cache (for positions), each block its own layer's cache."""
-        if self.last and index == len(self.layers) - 1:
+        if self.closes(chunk) and i == len(self.chunks[chunk]) - 1:
             return {"targets": targets}
         if kv is None:
             return {}
-        return {"kv": kv if self.first and index == 0 else kv.layer(index - self.first)}
+        return {"kv": kv if self.opens(chunk) and i == 0 else kv.layer(i - self.opens(chunk))}
 
-    def backward(self, dout, cache, grads_ready=None):
-        """dout: the loss weight (last stage) or dL/d(output activations). Returns
-        dL/d(input activations), None on the first stage. Layer by layer, both halves,
+    def backward(self, dout, cache, grads_ready=None, chunk: int = 0):
+        """dout: the loss weight (last virtual stage) or dL/d(output activations). Returns
+        dL/d(input activations), None on virtual stage 0. Layer by layer, both halves,
         so each layer's gradients are final as early as possible: `grads_ready` hears
-        of them (data parallelism starts reducing them while the backward goes on)."""
-        for index in reversed(range(len(self.layers))):
-            layer = self.layers[index]
-            self.residency.before_backward(index)
-            dout = layer.backward(dout, cache[index])
-            self.residency.after_backward(index)
-            if grads_ready is not None:
-                grads_ready([p for p in layer.parameters() if p not in self.unfinished])
+        of them (data parallelism starts reducing them while the backward goes on).
+        The residency hooks take the layer's index in `layers` (ZeRO-3 gathers it)."""
+        offset = self.chunk_offsets[chunk]
+        for i in reversed(range(len(self.chunks[chunk]))):
+            layer = self.chunks[chunk][i]
+            self.residency.before_backward(offset + i)
+            dout = layer.backward(dout, cache[i])
+            self.residency.after_backward(offset + i)
+            self._report(layer, grads_ready)
         return dout
 
-    def backward_input(self, dout, cache):
-        for layer, layer_cache in zip(reversed(self.layers), reversed(cache)):
+    def backward_input(self, dout, cache, chunk: int = 0):
+        """The input half over the chunk (B of a zero-bubble schedule): the gradient the
+        previous virtual stage waits for. No weight gradient changes."""
+        for layer, layer_cache in zip(reversed(self.chunks[chunk]), reversed(cache)):
             dout = layer.backward_input(dout, layer_cache)
         return dout
 
-    def backward_weights(self, cache):
-        for layer, layer_cache in zip(reversed(self.layers), reversed(cache)):
+    def backward_weights(self, cache, grads_ready=None, chunk: int = 0):
+        """The weight half over the chunk (W), any time after its input half; reports
+        each layer's gradients final as `backward` does."""
+        for layer, layer_cache in zip(reversed(self.chunks[chunk]), reversed(cache)):
             layer.backward_weights(layer_cache)
+            self._report(layer, grads_ready)
+
+    def _report(self, layer, grads_ready) -> None:
+        if grads_ready is not None:
+            grads_ready([p for p in layer.parameters() if p not in self.unfinished])
 
     def finalize_grads(self, grads_ready) -> None:
         """After the last micro-batch's backward (Megatron's finalize_model_grads). With
@@ -165,7 +195,8 @@ class GPTStage(Layer):
             self.topo.embedding_comm.all_reduce(self.token_embedding.weight.grad)
         grads_ready(self.unfinished)
 
-    def new_kv_cache(self, batch: int) -> KVCache:
-        """An empty key/value cache for generating `batch` sequences on this stage."""
+    def new_kv_cache(self, batch: int, chunk: int = 0) -> KVCache:
+        """An empty key/value cache for generating `batch` sequences through a chunk."""
         heads = self.model_cfg.n_heads // self.topo.tp
-        return KVCache(len(self.blocks), batch, heads, self.model_cfg.seq_len, self.model_cfg.head_dim, self.dtype)
+        return KVCache(len(self.chunk_blocks[chunk]), batch, heads, self.model_cfg.seq_len, self.model_cfg.head_dim,
+                       self.dtype)

@@ -18,7 +18,7 @@ from numpitron.distributed.agree import on_every_rank
 from numpitron.errors import UserError
 from numpitron.memory import check_fits
 from numpitron.metrics import MetricsLog
-from numpitron.parallel.pipeline import bubble_fraction
+from numpitron.parallel.schedules import closed_form_bubble
 from numpitron.rundir import METRICS_NAME, claim_on_every_rank
 from numpitron.trainer import Trainer
 
@@ -73,7 +73,10 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
                   **{f"memory_{k}": v for k, v in trainer.optimizer.memory_bytes().items()}}
         if topo.pp > 1:
             record["bubble"] = trainer.last_pipeline_stats.bubble_fraction
-            record["bubble_formula"] = bubble_fraction(topo.pp, trainer.num_microbatches)
+            record["bubble_formula"] = closed_form_bubble(trainer.parallel_cfg.schedule, topo.pp,
+                                                          trainer.num_microbatches, trainer.parallel_cfg.virtual_stages)
+            record["peak_in_flight"] = trainer.last_pipeline_stats.peak_in_flight
+            record["peak_activation_bytes"] = trainer.last_pipeline_stats.peak_activation_bytes
         if not math.isfinite(step["train_loss"]):
             raise UserError(f"training diverged at iteration {it}: loss is {step['train_loss']}")
         is_eval = it % train_cfg.eval_interval == 0 or it == train_cfg.max_iters

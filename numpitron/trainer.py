@@ -17,12 +17,13 @@ The steps (docs/architecture.md, "One training step"):
 import numpy as np
 
 from numpitron.data.batches import global_batch
+from numpitron.distributed.agree import on_every_rank
 from numpitron.model import GPTStage
 from numpitron.optim.distributed import step_together
 from numpitron.optim.schedule import learning_rate
 from numpitron.parallel.context import local_positions
 from numpitron.parallel.optimizer import make_optimizers
-from numpitron.parallel.pipeline import forward_only, run_schedule
+from numpitron.parallel.pipeline import check_backward_splits, forward_only, run_schedule
 
 
 class Trainer:
@@ -33,7 +34,10 @@ class Trainer:
         self.num_microbatches = train_cfg.num_microbatches(topo.dp)
         self.global_batch_size = train_cfg.global_batch(topo.dp)
         self.model = GPTStage(model_cfg, topo, seed=train_cfg.seed, sequence_parallel=parallel_cfg.sequence_parallel,
-                              recompute=parallel_cfg.recompute, loss_weight=1.0 / self.num_microbatches)
+                              recompute=parallel_cfg.recompute, loss_weight=1.0 / self.num_microbatches,
+                              virtual_stages=parallel_cfg.virtual_stages)
+        # Every rank learns if any stage holds a layer the schedule cannot run.
+        on_every_rank(topo.world, lambda: check_backward_splits(self.model, parallel_cfg.schedule))
         # One per store of the model; `optimizer` is the dense parameters' (the only one
         # without experts).
         self.optimizers = make_optimizers(self.model, topo, train_cfg, parallel_cfg)
@@ -113,6 +117,7 @@ class Trainer:
         for name, tokens in splits.items():
             losses = []
             for k in range(eval_iters):
-                losses += forward_only(self.model, self.topo, self.microbatches(tokens, f"eval-{name}", k))
+                losses += forward_only(self.model, self.topo, self.microbatches(tokens, f"eval-{name}", k),
+                                       self.parallel_cfg.schedule)
             out[name] = self.mean_loss(losses)
         return out

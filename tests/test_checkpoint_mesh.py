@@ -169,3 +169,26 @@ def test_a_stage_reads_only_the_shards_that_hold_its_tensors(shared_dir, monkeyp
     expected = {"shards/rank-00000.bin"} | ({"shards/rank-00001.bin"} if MPI.COMM_WORLD.rank == 1 else set())
     assert set(opened) == expected
     assert np.array_equal(resumed.optimizer.full_params(), source.optimizer.full_params())
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_checkpoints_move_between_schedules_and_virtual_stage_counts(shared_dir):
+    """Interleaving changes which blocks a rank holds (rank 0: blocks 0 and 2 of 4), not
+    their names: interleaved v=2 -> zero-bubble -> 1F1B v=1 on one stage -> interleaved,
+    two iterations each, one uninterrupted serial trajectory."""
+    model = tiny_model(n_layers=4, n_heads=2)
+    serial = make_trainer(model, train_cfg(), Topology.serial())
+    expected = train_steps(serial, 8, TOKENS)
+    chain = [dict(pipeline=2, schedule="interleaved", virtual_stages=2), dict(pipeline=2, schedule="zero-bubble"),
+             dict(data=2, schedule="1f1b"), dict(pipeline=2, schedule="interleaved", virtual_stages=2)]
+    path = None
+    for step, layout in enumerate(chain):
+        trainer = make_trainer(model, train_cfg(), **layout)
+        if path is not None:
+            load_checkpoint(path, trainer)
+        assert trainer.iteration == 2 * step
+        losses = train_steps(trainer, 2, TOKENS)
+        assert rel_diff(losses, expected[2 * step:2 * step + 2]) <= EQUIV_RTOL_FLOAT64, (layout, losses)
+        path = save_checkpoint(shared_dir / str(step), trainer)
+        names = set(read_manifest(path)["tensors"])
+        assert {f"blocks.{i}.attn.qkv.weight" for i in range(4)} <= names

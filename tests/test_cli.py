@@ -59,6 +59,8 @@ def test_abort_on_one_rank_ends_every_rank_quickly():
     (["--global-batch-size", "10", "--micro-batch-size", "4"], "global batch size (10) must be divisible"),
     (["--tensor-parallel-size", "3"], "world size 1 is not divisible by tensor x context x pipeline parallel size (3 x 1 x 1 = 3)"),
     (["--input", "/nonexistent/tinyshakespeare.txt", "--data-dir", "/tmp/numpitron-no-such-dir"], "/nonexistent"),
+    (["--virtual-stages", "2"], "--pipeline-schedule interleaved and --virtual-stages 2 or more go together"),
+    (["--pipeline-schedule", "interleaved", "--virtual-stages", "2"], "it needs --pipeline-parallel-size 2 or more"),
 ])
 def test_bad_input_is_one_line_and_nonzero(args, message):
     result = run(args + ["--max-iters", "1", "--no-progress"])

@@ -109,9 +109,11 @@ def test_tensor_parallel_volume():
 def pipeline_checks(trainer, snap, label):
     """Send/recv, tied-embedding and control traffic of one pipeline iteration."""
     topo, cfg, m = trainer.topo, trainer.model_cfg, trainer.num_microbatches
-    P, s, item = topo.pp, topo.pp_rank, trainer.model.dtype.itemsize
+    P, s, item, v = topo.pp, topo.pp_rank, trainer.model.dtype.itemsize, trainer.model.virtual_stages
     activation = trainer.train_cfg.micro_batch_size * cfg.seq_len * cfg.d_model * item
-    sends = (s < P - 1) + (s > 0)          # activations forward, gradients backward
+    # activations forward, gradients backward; interleaved, every chunk sends both but
+    # the first virtual stage's gradient and the last one's activations
+    sends = 2 * v - (s == 0) - (s == P - 1)
     ends = s in (0, P - 1)
     vocab = pad_to_multiple(cfg.vocab_size, topo.tp)
     return {
@@ -124,15 +126,18 @@ def pipeline_checks(trainer, snap, label):
     }
 
 
-def peak_expected(schedule, m, P, stage):
-    return m if schedule == "gpipe" else min(P - stage, m)
+def peak_expected(schedule, m, P, stage, v=1):
+    """(micro-batch, chunk) pairs in flight: all of them (GPipe), P - stage (1F1B), P on
+    every stage (ZB-H1: caches live until W), (v-1)P + P - stage chunks (interleaved)."""
+    return {"gpipe": m, "1f1b": min(P - stage, m), "zero-bubble": min(P, m),
+            "interleaved": min((v - 1) * P + P - stage, m * v)}[schedule]
 
 
 @pytest.mark.parallel(nprocs=2)
 def test_pipeline_two_stages_volume_peak_and_tied_embedding():
     checks, tokens = {}, tiny_tokens()
-    for schedule in ("gpipe", "1f1b"):
-        trainer = make_trainer(pipeline=2, schedule=schedule)
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1), ("interleaved", 2)):
+        trainer = make_trainer(pipeline=2, schedule=schedule, virtual_stages=v)
         topo, m = trainer.topo, trainer.num_microbatches
         checks[f"{schedule} m"] = (m, 4)
         for step in range(3):
@@ -140,7 +145,7 @@ def test_pipeline_two_stages_volume_peak_and_tied_embedding():
             if step == 0:
                 checks.update(pipeline_checks(trainer, snap, schedule))
                 checks[f"{schedule} peak"] = (trainer.last_pipeline_stats.peak_in_flight,
-                                              peak_expected(schedule, m, topo.pp, topo.pp_rank))
+                                              peak_expected(schedule, m, topo.pp, topo.pp_rank, v))
             weight = trainer.model.token_embedding.weight.data
             checks[f"{schedule} tied copies equal after step {step + 1}"] = (
                 identical_over(topo.embedding_comm, weight), True)
@@ -150,7 +155,7 @@ def test_pipeline_two_stages_volume_peak_and_tied_embedding():
 @pytest.mark.parallel(nprocs=4)
 def test_pipeline_four_stages_peak_in_flight():
     checks, tokens = {}, tiny_tokens()
-    for schedule, global_batch in (("1f1b", 8), ("1f1b", 4), ("gpipe", 8)):
+    for schedule, global_batch in (("1f1b", 8), ("1f1b", 4), ("gpipe", 8), ("zero-bubble", 8), ("zero-bubble", 4)):
         trainer = make_trainer(pipeline=4, schedule=schedule, train=tiny_train(global_batch_size=global_batch))
         topo, m = trainer.topo, trainer.num_microbatches
         label = f"{schedule} m={m}"

@@ -14,8 +14,9 @@ from tests.tolerances import EQUIV_RTOL_FLOAT32, EQUIV_RTOL_FLOAT64, rel_diff
 
 
 def check_mesh(mesh: dict, dtype="float64", rtol=EQUIV_RTOL_FLOAT64, **train_overrides):
-    """mesh: tensor/pipeline/data sizes and ParallelConfig fields."""
-    model_cfg, train_cfg = tiny_model(dtype), tiny_train(**train_overrides)
+    """mesh: tensor/pipeline/data sizes, ParallelConfig fields, and n_layers if not 4."""
+    mesh = dict(mesh)
+    model_cfg, train_cfg = tiny_model(dtype, n_layers=mesh.pop("n_layers", 4)), tiny_train(**train_overrides)
     losses, norms, params, trainer = run(make_trainer(model_cfg, train_cfg, **mesh))
     ref_losses, ref_norms, ref_params, _ = serial_reference(model_cfg, train_cfg)
     param_diff = None
@@ -38,7 +39,7 @@ def comparable(name, actual, expected, dtype):
 
 
 def mesh_id(mesh):
-    short = {"bucket_size": "bucket", "overlap_grad_reduce": "overlap", "zero_stage": "zero"}
+    short = {"bucket_size": "bucket", "overlap_grad_reduce": "overlap", "zero_stage": "zero", "virtual_stages": "v"}
     return "-".join(f"{short.get(k, k)}{v}" for k, v in mesh.items())
 
 
@@ -46,7 +47,10 @@ TWO_RANKS = [dict(data=2, bucket_size=2000), dict(tensor=2), dict(pipeline=2, sc
              dict(data=2, zero_stage=1), dict(data=2, overlap_grad_reduce=False, bucket_size=1000), dict(context=2),
              dict(tensor=2, sequence_parallel=True), dict(tensor=2, recompute="selective"),
              dict(tensor=2, recompute="full"), dict(tensor=2, sequence_parallel=True, recompute="selective"),
-             dict(tensor=2, sequence_parallel=True, recompute="full")]
+             dict(tensor=2, sequence_parallel=True, recompute="full"),
+             dict(pipeline=2, schedule="interleaved", virtual_stages=2), dict(pipeline=2, schedule="zero-bubble")]
+# Interleaved and zero-bubble alone on four stages, and with tp, dp, ZeRO-1, cp,
+# sequence parallelism and recomputation, pairwise.
 FOUR_RANKS = [dict(data=4), dict(tensor=4), dict(tensor=2, data=2, bucket_size=1500), dict(pipeline=4, schedule="gpipe"),
               dict(pipeline=4, schedule="1f1b"), dict(tensor=2, pipeline=2), dict(data=4, zero_stage=1),
               dict(tensor=2, data=2, zero_stage=1), dict(pipeline=2, data=2, zero_stage=1),
@@ -54,7 +58,15 @@ FOUR_RANKS = [dict(data=4), dict(tensor=4), dict(tensor=2, data=2, bucket_size=1
               dict(context=2, pipeline=2, schedule="1f1b"), dict(context=2, data=2, zero_stage=1),
               dict(tensor=2, pipeline=2, sequence_parallel=True, recompute="full", schedule="1f1b"),
               dict(tensor=2, data=2, sequence_parallel=True, zero_stage=1, recompute="selective"),
-              dict(tensor=2, context=2, sequence_parallel=True), dict(context=2, recompute="selective")]
+              dict(tensor=2, context=2, sequence_parallel=True), dict(context=2, recompute="selective"),
+              dict(pipeline=4, schedule="interleaved", virtual_stages=2, n_layers=8),
+              dict(pipeline=4, schedule="zero-bubble"),
+              dict(pipeline=2, tensor=2, schedule="zero-bubble", sequence_parallel=True),
+              dict(pipeline=2, data=2, schedule="zero-bubble", zero_stage=1, recompute="full"),
+              dict(pipeline=2, data=2, schedule="zero-bubble", bucket_size=2000),
+              dict(pipeline=2, tensor=2, schedule="interleaved", virtual_stages=2, recompute="selective"),
+              dict(pipeline=2, data=2, schedule="interleaved", virtual_stages=2, zero_stage=1),
+              dict(pipeline=2, context=2, schedule="interleaved", virtual_stages=2, bucket_size=2000)]
 
 
 @pytest.mark.parallel(nprocs=2)

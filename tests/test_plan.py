@@ -8,8 +8,8 @@ from numpitron.plan.accounting import Rank, comm_bytes, peak_activation_bytes, s
 from tests.harness import assert_on_every_rank, make_trainer, tiny_model, tiny_tokens, tiny_train
 
 
-def measured_and_planned(**layout):
-    trainer = make_trainer(tiny_model(), tiny_train(), **layout)
+def measured_and_planned(n_layers=4, **layout):
+    trainer = make_trainer(tiny_model(n_layers=n_layers), tiny_train(), **layout)
     topo, model_cfg = trainer.topo, trainer.model_cfg
     topo.stats.reset()
     trainer.train_step(tiny_tokens())
@@ -27,14 +27,17 @@ LAYOUTS_2 = [dict(), dict(data=2), dict(data=2, zero_stage=1), dict(data=2, zero
              dict(data=2, zero_stage=3, overlap_grad_reduce=False),
              dict(tensor=2), dict(tensor=2, sequence_parallel=True),
              dict(tensor=2, recompute="full"), dict(pipeline=2, schedule="gpipe"), dict(pipeline=2),
-             dict(context=2), dict(context=2, recompute="selective")]
+             dict(context=2), dict(context=2, recompute="selective"), dict(pipeline=2, schedule="zero-bubble"),
+             dict(pipeline=2, schedule="interleaved", virtual_stages=2)]
 LAYOUTS_4 = [dict(tensor=2, pipeline=2, sequence_parallel=True, recompute="full"),
              dict(context=2, data=2, zero_stage=1), dict(tensor=2, context=2), dict(pipeline=4, schedule="1f1b"),
              # ZeRO stages 0-3 at dp = 4, and each with tp (the memory table of docs/12)
              dict(data=4), dict(data=4, zero_stage=1), dict(data=4, zero_stage=2), dict(data=4, zero_stage=3),
              dict(tensor=2, data=2), dict(tensor=2, data=2, zero_stage=2, sequence_parallel=True),
              dict(tensor=2, data=2, zero_stage=3, recompute="full"), dict(pipeline=2, data=2, zero_stage=2),
-             dict(context=2, data=2, zero_stage=3)]
+             dict(context=2, data=2, zero_stage=3),
+             dict(pipeline=4, schedule="interleaved", virtual_stages=2, n_layers=8),
+             dict(pipeline=2, tensor=2, schedule="zero-bubble", sequence_parallel=True)]
 
 
 def name(layout):

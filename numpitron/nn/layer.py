@@ -40,6 +40,12 @@ class Layer:
         return dx
 
 
+def splits_backward(layer) -> bool:
+    """Whether a layer has the two halves of its backward, not only a whole `backward`
+    (a zero-bubble schedule runs them apart; pipeline.check_backward_splits asks)."""
+    return type(layer).backward_input is not Layer.backward_input
+
+
 def rows(x: np.ndarray) -> np.ndarray:
     """(B, T, C) -> (B*T, C), a view when x is contiguous: one BLAS call per matmul."""
     return x.reshape(-1, x.shape[-1])

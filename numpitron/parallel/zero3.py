@@ -115,12 +115,13 @@ class LayerGatherer:
         # --no-overlap-grad-reduce: no prefetch, and each reduce-scatter waited for at once
         # (the reference against which benchmarks/zero_stages.py measures the overlap).
         self.overlap = optimizer.overlap
-        in_blocks = {id(p) for layer in model.block_layers for p in layer.parameters()}
+        block_layers = [layer for chunk in model.chunk_blocks for layer in chunk]
+        in_blocks = {id(p) for layer in block_layers for p in layer.parameters()}
         self.units = {ROOT: Unit([p for p in store.params if id(p) not in in_blocks], store.offsets,
                                  store.numel, store.size)}
-        for k, block in enumerate(model.block_layers):
+        for k, block in enumerate(block_layers):
             self.units[k] = Unit(block.parameters(), store.offsets, store.numel, store.size)
-        self.unit_of_layer = [model.block_layers.index(layer) if layer in model.block_layers else ROOT
+        self.unit_of_layer = [block_layers.index(layer) if layer in block_layers else ROOT
                               for layer in model.layers]
         self.params = {}            # unit -> (buffers, pending all-gathers)
         self.grads = {}             # unit -> gradient buffers

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from numpitron.distributed.sharding import pad_to_multiple, pieces_of_range
 from numpitron.nn.activation_memory import block_activation_bytes
+from numpitron.parallel.schedules import BACKWARD, FORWARD, WEIGHT_GRAD, make_schedule
 
 F64 = 8          # the loss and the squared gradient norm travel as one float64
 
@@ -93,31 +94,44 @@ def state_bytes(model, parallel, rank: Rank) -> dict:
             "backward_grads_peak": {1: 0, 2: padded, 3: in_pass}[stage] * item}
 
 
-def activation_bytes_per_microbatch(model, parallel, train, rank: Rank) -> int:
-    """What one micro-batch's caches keep on this stage (docs/09 and docs/13 derive it)."""
-    item, k = (8 if model.dtype == "float64" else 4), rank.tp
+def chunk_activation_bytes(model, parallel, train, rank: Rank, chunk: int = 0) -> int:
+    """What one micro-batch's caches keep in one chunk of this stage (docs/09 and docs/13
+    derive it): its n_layers / (p v) blocks, the embeddings in virtual stage 0, the head
+    in the last."""
+    item, k, v = (8 if model.dtype == "float64" else 4), rank.tp, parallel.virtual_stages
     B, T, C = train.micro_batch_size, model.seq_len // rank.cp, model.d_model
     tokens, split = B * T, (k if parallel.sequence_parallel else 1)
-    total = (model.n_layers // rank.pp) * block_activation_bytes(
+    total = (model.n_layers // (rank.pp * v)) * block_activation_bytes(
         B, T, C, model.n_heads, k, parallel.sequence_parallel, parallel.recompute, item, rank.cp, rank.cp_rank)
-    if rank.first:                   # token rows (int64), owned mask (bool), the positions (int64)
+    if rank.first and chunk == 0:       # token rows (int64), owned mask (bool), the positions (int64)
         total += 9 * tokens + 8 * T
-    if rank.last:                    # ln_f (x-hat, 1/std), the head's input, the loss's probabilities
+    if rank.last and chunk == v - 1:    # ln_f (x-hat, 1/std), the head's input, the loss's probabilities
         n = tokens // split
         total += item * (2 * n * C + n + tokens * pad_to_multiple(model.vocab_size, k) // k) + 9 * tokens
     return total
 
 
+def activation_bytes_per_microbatch(model, parallel, train, rank: Rank) -> int:
+    """What one micro-batch's caches keep on this stage, all its chunks together."""
+    return sum(chunk_activation_bytes(model, parallel, train, rank, c) for c in range(parallel.virtual_stages))
+
+
 def peak_activation_bytes(model, parallel, train, rank: Rank) -> int:
-    m = train.num_microbatches(rank.dp)
-    in_flight = m if parallel.schedule == "gpipe" else min(rank.pp - rank.stage, m)
-    return in_flight * activation_bytes_per_microbatch(model, parallel, train, rank)
+    """Walk this stage's schedule: a chunk's caches live from its forward to its whole
+    backward (BW) or its weight half (W); the peak of their sum."""
+    m, alive, peak = train.num_microbatches(rank.dp), 0, 0
+    for op in make_schedule(parallel.schedule, m, rank.pp, rank.stage, parallel.virtual_stages):
+        nbytes = chunk_activation_bytes(model, parallel, train, rank, op.chunk)
+        alive += nbytes if op.kind == FORWARD else -nbytes if op.kind in (BACKWARD, WEIGHT_GRAD) else 0
+        peak = max(peak, alive)
+    return peak
 
 
 def comm_bytes(model, parallel, train, rank: Rank) -> dict:
     """{"<group>.<kind>": bytes} this rank moves in one training iteration."""
     item, k, K, P = (8 if model.dtype == "float64" else 4), rank.tp, rank.cp, rank.pp
     m, B, C, L = train.num_microbatches(rank.dp), train.micro_batch_size, model.d_model, model.n_layers // P
+    # L: blocks on this rank, all its chunks together
     T = model.seq_len // K
     act, sp, full = B * T * C * item, parallel.sequence_parallel, parallel.recompute == "full"
     out = {}
@@ -144,8 +158,12 @@ def comm_bytes(model, parallel, train, rank: Rank) -> dict:
         add("cp.recv", sends)
     if P > 1:
         hop = B * (T // (k if sp else 1)) * C * item
-        add("pp.send", m * hop * ((rank.stage < P - 1) + (rank.stage > 0)))
-        add("pp.recv", m * hop * ((rank.stage < P - 1) + (rank.stage > 0)))
+        # Each chunk sends its activations on (but the last virtual stage) and its input
+        # gradient back (but virtual stage 0): interleaving multiplies the messages by v.
+        virtual = [c * P + rank.stage for c in range(parallel.virtual_stages)]
+        messages = sum((j < P * parallel.virtual_stages - 1) + (j > 0) for j in virtual)
+        add("pp.send", m * hop * messages)
+        add("pp.recv", m * hop * messages)
         add("pp.broadcast", F64)     # the loss, from the last stage
         if rank.first or rank.last:  # the tied embedding's two copies
             add("embedding.all_reduce", _all_reduce(pad_to_multiple(model.vocab_size, k) // k * C * item, 2))

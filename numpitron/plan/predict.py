@@ -9,11 +9,13 @@
   call (tp and cp inside a node when their groups fit in one, the rest across
   nodes). Tensor- and context-parallel traffic is exposed; the data-parallel
   reduction is hidden behind the backward but for its last bucket.
-* Pipelines: a micro-batch's stage time times (m + p - 1) (GPipe and 1F1B).
+* Pipelines: m micro-batches' stage time stretched by the schedule's bubble b, m t / (1 - b):
+  (m + p - 1) t for GPipe and 1F1B; b from the unit-cost timeline of the schedule
+  (parallel/schedules.py: interleaved and zero-bubble shrink it).
 Each choice is an estimate, stated so that its error can be read off.
 """
 
-from numpitron.parallel.pipeline import bubble_fraction
+from numpitron.parallel.schedules import ideal_bubble
 from numpitron.plan.accounting import (Rank, activation_bytes_per_microbatch, comm_bytes,
                                        peak_activation_bytes, state_bytes)
 from numpitron.plan.flops import hardware_flops, model_flops
@@ -33,6 +35,7 @@ def plan(model, parallel, train, mesh, device) -> dict:
     # A mixed-precision device keeps activations and moves them in 16 bits: scale this
     # library's float32 accounting to it.
     scale = 0.5 if device.bytes_per_parameter else 1.0
+    bubble = ideal_bubble(parallel.schedule, pp, m, parallel.virtual_stages)
     stages = []
     for stage in range(pp):
         rank = Rank(tp, pp, dp, cp, stage, cp_rank=cp - 1)      # the ring's busiest rank
@@ -55,7 +58,7 @@ def plan(model, parallel, train, mesh, device) -> dict:
         dp_time = sum(t for kind, t in t_comm.items() if kind.startswith("dp_cp."))
         buckets = max(1, -(-state["grads"] // (parallel.bucket_size * 4)))
         exposed_dp = dp_time if parallel.zero_stage in (1, 3) or not parallel.overlap_grad_reduce else dp_time / buckets
-        step = (m + pp - 1) * (t_matmul + t_elementwise + exposed_per_mb) + t_adam + exposed_dp
+        step = m * (t_matmul + t_elementwise + exposed_per_mb) / (1 - bubble) + t_adam + exposed_dp
         stages.append({"stage": stage, **state, "activations_peak": activations,
                        "total_peak": sum(state.values()) + activations, "comm_bytes": comm,
                        "time_s": {"matmul": m * t_matmul, "elementwise": m * t_elementwise,
@@ -65,7 +68,7 @@ def plan(model, parallel, train, mesh, device) -> dict:
     flops = model_flops(*args)
     return {"mesh": {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "devices": devices}, "microbatches": m,
             "model_flops_per_iteration": flops, "hardware_flops_per_iteration": hardware_flops(*args, parallel.recompute),
-            "bubble": bubble_fraction(pp, m), "step_s": step, "tokens_per_s": global_batch * model.seq_len / step,
+            "bubble": bubble, "step_s": step, "tokens_per_s": global_batch * model.seq_len / step,
             "mfu": flops / (step * device.peak_flops * devices), "stages": stages,
             "fits": all(s["total_peak"] <= device.memory_bytes for s in stages)}
 

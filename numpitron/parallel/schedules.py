@@ -1,0 +1,199 @@
+"""Pipeline schedules as data: for each stage, the list of operations it runs.
+
+An operation is (kind, micro-batch, chunk). The kinds:
+
+  F   the forward of one micro-batch through one chunk of this stage's layers
+  BW  its whole backward, each layer's two halves in turn (GPipe, 1F1B, interleaved)
+  B   only the input half, dL/dx: on the critical path, the previous stage waits for it
+  W   only the weight half, dL/dW: nobody waits for it (Qi et al. 2024, §2)
+
+A rank holds v chunks ("virtual stages", Narayanan et al. 2021, §2.2.2): chunk c of
+pp rank r is virtual stage c*p + r of a pipeline of p*v, so a micro-batch visits
+every rank v times. Without interleaving v = 1 and every chunk is 0.
+
+  GPipe (Huang et al. 2019): all m forwards, then all m backwards.
+  1F1B (PipeDream-Flush, Narayanan et al. 2021, Fig. 4): p-r-1 warm-up forwards,
+      then one forward, one backward, then the remaining backwards.
+  Interleaved 1F1B (Narayanan et al. 2021, Fig. 4 bottom): 1F1B over the v*m
+      (micro-batch, chunk) pairs, taken p micro-batches at a time per chunk, with
+      (v-1)*p more warm-up forwards. Needs m to be a multiple of p (Megatron's rule).
+  ZB-H1 (Qi et al. 2024, §2.1, Fig. 3 top): 1F1B with the backward split; stage r
+      runs its first W r rounds late, so every stage keeps p micro-batches in flight
+      and the W passes fill the bubble 1F1B leaves at the end of the iteration.
+
+`simulate` runs a schedule's dependencies with unit costs: it proves a schedule
+complete and deadlock-free (the executor blocks only on receives, which is what it
+models) and gives its ideal bubble.
+"""
+
+from fractions import Fraction
+from functools import lru_cache
+from typing import NamedTuple
+
+FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = "F", "BW", "B", "W"
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+SPLIT_BACKWARD = ("zero-bubble",)          # schedules that run B and W apart
+# Relative costs for the ideal timeline: the input and the weight halves each cost
+# about a forward (two matmuls of the same size per linear layer).
+UNIT_COST = {FORWARD: 1, INPUT_GRAD: 1, WEIGHT_GRAD: 1, BACKWARD: 2}
+
+
+class Op(NamedTuple):
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}" + (f":{self.chunk}" if self.chunk else "")
+
+
+def gpipe(m: int, p: int, stage: int, v: int = 1) -> list[Op]:
+    return [Op(FORWARD, i) for i in range(m)] + [Op(BACKWARD, i) for i in range(m)]
+
+
+def one_f_one_b(m: int, p: int, stage: int, v: int = 1) -> list[Op]:
+    return interleaved(m, p, stage, 1)
+
+
+def interleaved(m: int, p: int, stage: int, v: int = 1) -> list[Op]:
+    """With v = 1 this is 1F1B exactly (and m may be anything)."""
+    total = m * v
+
+    def nth(k: int, backward: bool) -> tuple[int, int]:
+        # The k-th forward (backward) of this rank: groups of p micro-batches, chunk by
+        # chunk (the backward goes through the chunks in reverse).
+        group, within = divmod(k, p * v)        # which p micro-batches; where in their p*v operations
+        chunk = within // p
+        return group * p + within % p, (v - 1 - chunk if backward else chunk)
+
+    warmup = min((p - stage - 1) + (v - 1) * p, total)
+    ops = [Op(FORWARD, *nth(k, False)) for k in range(warmup)]
+    for k in range(total - warmup):
+        ops += [Op(FORWARD, *nth(warmup + k, False)), Op(BACKWARD, *nth(k, True))]
+    return ops + [Op(BACKWARD, *nth(k, True)) for k in range(total - warmup, total)]
+
+
+def zero_bubble(m: int, p: int, stage: int, v: int = 1) -> list[Op]:
+    """ZB-H1. In round i of the steady state: F(warm-up + i), B(i), and W(i - stage);
+    the W passes still owed are spent after each cool-down B and at the end."""
+    warmup = min(p - stage - 1, m)
+    ops, weights_done = [Op(FORWARD, i) for i in range(warmup)], 0
+    for i in range(m - warmup):
+        ops += [Op(FORWARD, warmup + i), Op(INPUT_GRAD, i)]
+        if i >= stage:                       # later stages start their W later
+            ops.append(Op(WEIGHT_GRAD, weights_done))
+            weights_done += 1
+    for i in range(m - warmup, m):
+        ops.append(Op(INPUT_GRAD, i))
+        ops.append(Op(WEIGHT_GRAD, weights_done))
+        weights_done += 1
+    return ops + [Op(WEIGHT_GRAD, i) for i in range(weights_done, m)]
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zero-bubble": zero_bubble}
+
+
+def make_schedule(name: str, m: int, p: int, stage: int, v: int = 1) -> list[Op]:
+    return SCHEDULES[name](m, p, stage, v)
+
+
+def format_schedule(ops: list[Op]) -> str:
+    """'F0 F1 B0 F2 ...', chunk after a colon when it is not 0."""
+    return " ".join(str(op) for op in ops)
+
+
+def closed_form_bubble(name: str, p: int, m: int, v: int = 1) -> float:
+    """The idle share of an iteration from the papers, with a backward twice a forward
+    and the halves equal: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved
+    (Narayanan et al. 2021, §2.2.2), (p-1)/(3m+p-1) for ZB-H1 (Qi et al. 2024, §2.1:
+    a bubble of (p-1)(T_F + T_B - T_W) against 1F1B's (p-1)(T_F + T_B + T_W)).
+    Exact for ZB-H1 when m >= p, and for interleaving when p divides m."""
+    if name == "interleaved":
+        return (p - 1) / (v * m + p - 1)
+    if name == "zero-bubble":
+        return (p - 1) / (3 * m + p - 1)
+    return (p - 1) / (m + p - 1)
+
+
+def dependencies(op: Op, rank: int, p: int, v: int) -> list[tuple[Op, int]]:
+    """(operation, pp rank) pairs that must finish before `op` can start on `rank`."""
+    last = p * v - 1
+    stage = op.chunk * p + rank                        # its virtual stage
+    if op.kind == FORWARD:
+        if stage == 0:
+            return []
+        return [(Op(FORWARD, op.microbatch, (stage - 1) // p), (stage - 1) % p)]
+    if op.kind == WEIGHT_GRAD:
+        return [(Op(INPUT_GRAD, op.microbatch, op.chunk), rank)]
+    needs = [(Op(FORWARD, op.microbatch, op.chunk), rank)]
+    if stage < last:                                   # the gradient from the next virtual stage
+        needs.append((Op(INPUT_GRAD, op.microbatch, (stage + 1) // p), (stage + 1) % p))
+    return needs
+
+
+class ScheduleError(ValueError):
+    pass
+
+
+def simulate(schedules: list[list[Op]], m: int, v: int = 1, cost=None) -> list[Fraction]:
+    """Run every stage's list in order, each operation as soon as what it depends on
+    has finished (cost: time per kind, divided by v per chunk). Returns the time each
+    stage finishes. Raises ScheduleError if an operation is missing, repeated, or
+    waits forever (the executor would deadlock)."""
+    p, cost = len(schedules), cost or UNIT_COST
+    for rank, ops in enumerate(schedules):
+        check_complete(ops, m, v, rank)
+    finished, clock, position = {}, [Fraction(0)] * p, [0] * p
+    progress = True
+    while progress:
+        progress = False
+        for rank, ops in enumerate(schedules):
+            while position[rank] < len(ops):
+                op = ops[position[rank]]
+                needs = dependencies(op, rank, p, v)
+                if not all(dep in finished for dep in needs):
+                    break
+                clock[rank] = max([clock[rank]] + [finished[dep] for dep in needs]) + Fraction(cost[op.kind], v)
+                finished[(op, rank)] = clock[rank]
+                if op.kind == BACKWARD:               # a whole backward includes the input half
+                    finished[(op._replace(kind=INPUT_GRAD), rank)] = clock[rank]
+                position[rank] += 1
+                progress = True
+    stuck = {rank: str(ops[position[rank]]) for rank, ops in enumerate(schedules) if position[rank] < len(ops)}
+    if stuck:
+        raise ScheduleError(f"deadlock: stages wait forever at {stuck}")
+    return clock
+
+
+def check_complete(ops: list[Op], m: int, v: int, rank: int = 0) -> None:
+    """Every (micro-batch, chunk) once forward and once backward (BW, or B and W),
+    nothing else, nothing twice."""
+    present, expected = set(ops), set()
+    for i in range(m):
+        for c in range(v):
+            backward = {BACKWARD} if Op(BACKWARD, i, c) in present else {INPUT_GRAD, WEIGHT_GRAD}
+            expected |= {Op(kind, i, c) for kind in {FORWARD} | backward}
+    if len(ops) != len(present) or present != expected:
+        missing, extra = expected - present, present - expected
+        twice = {op for op in ops if ops.count(op) > 1}
+        raise ScheduleError(f"stage {rank}: missing {sorted(map(str, missing))}, unexpected "
+                            f"{sorted(map(str, extra))}, repeated {sorted(map(str, twice))}")
+
+
+@lru_cache(maxsize=256)
+def ideal_bubble(name: str, p: int, m: int, v: int = 1) -> float:
+    """The bubble of the schedule's unit-cost timeline: 1 - busy / (p * makespan)."""
+    schedules = [make_schedule(name, m, p, stage, v) for stage in range(p)]
+    makespan = max(simulate(schedules, m, v))
+    busy = sum(Fraction(UNIT_COST[op.kind], v) for ops in schedules for op in ops)
+    return float(1 - busy / (p * makespan))
+
+
+def peak_in_flight(ops: list[Op]) -> int:
+    """The most (micro-batch, chunk) pairs whose caches are alive at once: from their
+    forward until their whole backward or their weight half."""
+    alive = peak = 0
+    for op in ops:
+        alive += {FORWARD: 1, BACKWARD: -1, WEIGHT_GRAD: -1}.get(op.kind, 0)
+        peak = max(peak, alive)
+    return peak

@@ -1,0 +1,148 @@
+"""Every schedule, as data: complete (every F, B, W of every micro-batch and chunk exactly
+once), its dependencies respected and deadlock-free (the unit-cost timeline runs to the
+end), its bubble the papers' formula, its memory what the papers say; and what a
+schedule cannot run is one clear error."""
+
+import pytest
+from mpi4py import MPI
+
+from numpitron.config import ParallelConfig, check_layout
+from numpitron.distributed.topology import Topology
+from numpitron.errors import UserError
+from numpitron.model import GPTStage
+from numpitron.nn.layer import Layer
+from numpitron.parallel.pipeline import check_backward_splits
+from numpitron.parallel.schedules import (SCHEDULE_NAMES, Op, ScheduleError, closed_form_bubble, format_schedule,
+                                          ideal_bubble, make_schedule, peak_in_flight, simulate)
+from tests.harness import make_trainer, tiny_model, tiny_train
+
+
+def cases():
+    """(schedule, p, m, v) for p up to 8 and several m each (interleaving: m a multiple of p)."""
+    for name in SCHEDULE_NAMES:
+        for p in range(1, 9):
+            for v in ((2, 3) if name == "interleaved" else (1,)):
+                if name == "interleaved" and p == 1:
+                    continue
+                step = p if name == "interleaved" else 1
+                extra = {1, 3, p + 1, 2 * p + 3} if step == 1 else set()      # m below, at and above p
+                for m in sorted({step, 2 * step, 3 * step, 4 * step, 5 * step} | extra):
+                    yield name, p, m, v
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_every_schedule_is_complete_and_runs_to_the_end(name):
+    for schedule, p, m, v in cases():
+        if schedule != name:
+            continue
+        stages = [make_schedule(name, m, p, stage, v) for stage in range(p)]
+        finish = simulate(stages, m, v)                 # raises if incomplete or stuck
+        assert len(finish) == p and all(t > 0 for t in finish)
+        split = any(op.kind == "W" for ops in stages for op in ops)
+        assert split == (name == "zero-bubble")
+        assert all(len(ops) == m * v * (3 if split else 2) for ops in stages)
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_the_timeline_has_the_papers_bubble(name):
+    for schedule, p, m, v in cases():
+        if schedule == name and (name != "zero-bubble" or m >= p):
+            assert ideal_bubble(name, p, m, v) == pytest.approx(closed_form_bubble(name, p, m, v), abs=1e-12)
+    # ZB-H1's bubble is a third of 1F1B's in time (Qi et al. 2024, Fig. 3): (p-1) of
+    # 3m+p-1 units against 3(p-1) of 3m+3(p-1).
+    p, m = 4, 8
+    zb, one = ideal_bubble("zero-bubble", p, m), ideal_bubble("1f1b", p, m)
+    assert zb * (3 * m + p - 1) == pytest.approx((p - 1)) and one * (3 * m + 3 * (p - 1)) == pytest.approx(3 * (p - 1))
+
+
+def test_the_schedules_print_as_the_papers_draw_them():
+    assert format_schedule(make_schedule("gpipe", 3, 2, 0)) == "F0 F1 F2 BW0 BW1 BW2"
+    assert format_schedule(make_schedule("1f1b", 4, 2, 0)) == "F0 F1 BW0 F2 BW1 F3 BW2 BW3"
+    assert format_schedule(make_schedule("1f1b", 4, 2, 1)) == "F0 BW0 F1 BW1 F2 BW2 F3 BW3"
+    # the last stage of ZB-H1 runs its first W p-1 rounds late, and all of them by the end
+    assert format_schedule(make_schedule("zero-bubble", 4, 3, 2)) == "F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3"
+    assert format_schedule(make_schedule("zero-bubble", 4, 3, 0)) == "F0 F1 F2 B0 W0 F3 B1 W1 B2 W2 B3 W3"
+    # interleaved, rank 0 of 2 with 2 chunks: p micro-batches through chunk 0, then chunk 1
+    assert format_schedule(make_schedule("interleaved", 2, 2, 0, 2)) == "F0 F1 F0:1 F1:1 BW0:1 BW1:1 BW0 BW1"
+    assert make_schedule("interleaved", 6, 3, 1, 1) == make_schedule("1f1b", 6, 3, 1)
+
+
+def test_peak_in_flight_per_stage():
+    p, m = 4, 8
+    assert [peak_in_flight(make_schedule("gpipe", m, p, s)) for s in range(p)] == [m] * p
+    assert [peak_in_flight(make_schedule("1f1b", m, p, s)) for s in range(p)] == [4, 3, 2, 1]
+    # ZB-H1: every stage holds p micro-batches (their caches live until W), the first
+    # stage no more than under 1F1B (Qi et al. 2024, §2.1)
+    assert [peak_in_flight(make_schedule("zero-bubble", m, p, s)) for s in range(p)] == [4, 4, 4, 4]
+    # interleaved: (v-1)p + p - r chunks of 1/v of the layers each
+    assert [peak_in_flight(make_schedule("interleaved", m, p, s, 2)) for s in range(p)] == [8, 7, 6, 5]
+
+
+def test_the_checker_finds_broken_schedules():
+    m, p = 4, 2
+    good = [make_schedule("1f1b", m, p, s) for s in range(p)]
+    missing = [good[0][:-1], good[1]]
+    with pytest.raises(ScheduleError, match="missing"):
+        simulate(missing, m)
+    twice = [good[0] + [Op("F", 0)], good[1]]
+    with pytest.raises(ScheduleError, match="repeated"):
+        simulate(twice, m)
+    # the last stage asking for micro-batch 1's gradient before its forward: a wait forever
+    swapped = [good[0], [Op("F", 0), Op("BW", 1), Op("F", 1), Op("BW", 0)] + good[1][4:]]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(swapped, m)
+    # W before its B (same stage): never runnable
+    zb = make_schedule("zero-bubble", 2, 1, 0)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate([[zb[0], zb[2], zb[1]] + zb[3:]], 2)
+
+
+@pytest.mark.parametrize("layers, pipeline, virtual, schedule, global_batch, message", [
+    (4, 2, 4, "interleaved", 8, "n_layers (4) must be divisible by pipeline-parallel size x virtual stages (2 x 4 = 8)"),
+    (4, 2, 2, "interleaved", 6, "3 micro-batches per step is not a multiple of 2"),
+    (4, 1, 2, "interleaved", 8, "it needs --pipeline-parallel-size 2 or more"),
+    (4, 2, 1, "interleaved", 8, "--pipeline-schedule interleaved and --virtual-stages 2 or more go together"),
+    (4, 2, 2, "zero-bubble", 8, "--pipeline-schedule interleaved and --virtual-stages 2 or more go together"),
+])
+def test_what_a_schedule_cannot_run_is_one_clear_error(layers, pipeline, virtual, schedule, global_batch, message):
+    with pytest.raises(UserError) as error:
+        parallel = ParallelConfig(schedule=schedule, virtual_stages=virtual).validate()
+        check_layout(tiny_model(n_layers=layers), tiny_train(global_batch_size=global_batch), (1, pipeline, 1, 1),
+                     parallel)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+class WholeBackwardOnly(Layer):
+    """A layer with only a whole backward: it cannot hand a schedule its two halves."""
+
+    def forward(self, x, **context):
+        return x, {}
+
+    def backward(self, dy, cache):
+        return dy
+
+
+def test_zero_bubble_refuses_a_layer_that_cannot_split_its_backward():
+    model = GPTStage(tiny_model(), Topology.serial())
+    check_backward_splits(model, "zero-bubble")            # every layer of the GPT splits
+    model.layers.append(WholeBackwardOnly())
+    check_backward_splits(model, "1f1b")                    # a whole backward is all 1F1B needs
+    with pytest.raises(UserError, match="WholeBackwardOnly has only a whole backward"):
+        check_backward_splits(model, "zero-bubble")
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_a_layer_on_one_stage_only_fails_every_rank_alike(monkeypatch):
+    """Only the last stage holds the layer that cannot split: both ranks raise the same
+    one-line error instead of one going on into the pipeline alone."""
+    import numpitron.trainer
+
+    class StageWithOddLayer(GPTStage):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if self.last:
+                self.layers.append(WholeBackwardOnly())
+    monkeypatch.setattr(numpitron.trainer, "GPTStage", StageWithOddLayer)
+    with pytest.raises(UserError, match="WholeBackwardOnly has only a whole backward") as error:
+        make_trainer(pipeline=2, schedule="zero-bubble")
+    assert MPI.COMM_WORLD.allgather(str(error.value)) == [str(error.value)] * 2
