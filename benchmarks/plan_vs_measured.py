@@ -6,9 +6,15 @@
 For each layout: `benchmarks/benchmark.py` (median ms per iteration, one rank per
 core, more ranks oversubscribe the cores) and `python -m numpitron.plan` with the
 same flags and --device this-machine. Prints a Markdown table.
+
+This machine's speed drifts by tens of percent from one minute to the next, so each
+round runs every layout once, in turn, and the table gives the median over rounds
+(--rounds), with the spread of the measured times beside it.
 """
 
+import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -21,19 +27,35 @@ LAYOUTS = [(1, []), (2, ["--data-parallel-size", "2"]), (2, ["--tensor-parallel-
            (4, ["--tensor-parallel-size", "2", "--data-parallel-size", "2"])]
 
 
+def measure(ranks: int, flags: list, iters: int) -> float:
+    launch = [str(BIN / "mpiexec"), "-n", str(ranks)] if ranks > 1 else []
+    out = subprocess.run(launch + [str(BIN / "python"), "benchmarks/benchmark.py", "--iters", str(iters), *flags],
+                         capture_output=True, text=True, check=True, cwd=REPO).stdout
+    return json.loads(out.strip().splitlines()[-1])["ms_per_iter_median"]
+
+
+def predict(ranks: int, flags: list) -> float:
+    planned = subprocess.run([str(BIN / "python"), "-m", "numpitron.plan", "--json", "--devices", str(ranks),
+                              *flags], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    return 1e3 * json.loads(planned)["step_s"]
+
+
 def main():
-    print("| ranks | flags | measured ms | predicted ms | predicted / measured |")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=10)
+    args = p.parse_args()
+    times = {i: [] for i in range(len(LAYOUTS))}
+    for _ in range(args.rounds):
+        for i, (ranks, flags) in enumerate(LAYOUTS):
+            times[i].append(measure(ranks, flags, args.iters))
+    print(f"medians of {args.rounds} rounds x {args.iters} iterations")
+    print("| ranks | flags | measured ms (min-max) | predicted ms | predicted / measured |")
     print("| ---: | --- | ---: | ---: | ---: |")
-    for ranks, flags in LAYOUTS:
-        launch = [str(BIN / "mpiexec"), "-n", str(ranks)] if ranks > 1 else []
-        out = subprocess.run(launch + [str(BIN / "python"), "benchmarks/benchmark.py", "--iters", "20", *flags],
-                             capture_output=True, text=True, check=True, cwd=REPO).stdout
-        measured = json.loads(out.strip().splitlines()[-1])["ms_per_iter_median"]
-        planned = subprocess.run([str(BIN / "python"), "-m", "numpitron.plan", "--json", "--devices", str(ranks),
-                                  *flags], capture_output=True, text=True, check=True, cwd=REPO).stdout
-        predicted = 1e3 * json.loads(planned)["step_s"]
-        print(f"| {ranks} | {' '.join(flags) or '(one process)'} | {measured:.1f} | {predicted:.1f} | "
-              f"{predicted / measured:.2f} |", flush=True)
+    for i, (ranks, flags) in enumerate(LAYOUTS):
+        measured, predicted = statistics.median(times[i]), predict(ranks, flags)
+        print(f"| {ranks} | {' '.join(flags) or '(one process)'} | {measured:.1f} ({min(times[i]):.0f}-"
+              f"{max(times[i]):.0f}) | {predicted:.1f} | {predicted / measured:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
