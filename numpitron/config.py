@@ -104,6 +104,9 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
             raise UserError("--zero-stage 3 reduce-scatters each layer's gradients when its backward ends, but "
                             "--sequence-parallel sums LayerNorm gradients over tp only after the whole backward; "
                             "use --zero-stage 2 with --sequence-parallel")
+        if parallel.schedule == "zero-bubble":
+            raise UserError("--zero-stage 3 gathers a layer's parameters around its whole backward, and the "
+                            "zero-bubble schedule splits that backward into two passes; use another schedule")
         if model.num_experts:
             raise UserError("--zero-stage 3 gathers each block's parameters from one flat buffer, and experts live "
                             "in a second one that only their own ranks hold; use --zero-stage 2 with --num-experts")

@@ -17,7 +17,8 @@ TWO_RANKS = [dict(data=2, zero_stage=2, bucket_size=2000), dict(data=2, zero_sta
 FOUR_RANKS = [dict(data=4, zero_stage=2), dict(data=4, zero_stage=3), dict(tensor=2, data=2, zero_stage=2),
               dict(tensor=2, data=2, zero_stage=3, bucket_size=1000), dict(pipeline=2, data=2, zero_stage=2),
               dict(context=2, data=2, zero_stage=3), dict(tensor=2, data=2, zero_stage=2, sequence_parallel=True),
-              dict(pipeline=2, data=2, zero_stage=2, schedule="gpipe", recompute="selective")]
+              dict(pipeline=2, data=2, zero_stage=2, schedule="gpipe", recompute="selective"),
+              dict(pipeline=2, data=2, zero_stage=2, schedule="zero-bubble")]
 
 
 @pytest.mark.parallel(nprocs=2)
@@ -117,11 +118,13 @@ def test_stage3_on_one_process_is_bit_for_bit_the_plain_run():
                           sharded.optimizer.full_params()[:plain.model.store.numel])
 
 
-@pytest.mark.parametrize("mesh, sequence_parallel, experts, message", [
-    ((1, 2, 1, 1), False, 0, "again for every micro-batch"), ((2, 1, 1, 1), True, 0, "only after the whole backward"),
-    ((1, 1, 1, 1), False, 4, "experts live in a second one")])
-def test_stage3_refuses_what_it_cannot_do_in_one_line(mesh, sequence_parallel, experts, message):
-    parallel = ParallelConfig(zero_stage=3, sequence_parallel=sequence_parallel).validate()
+@pytest.mark.parametrize("mesh, sequence_parallel, experts, schedule, message", [
+    ((1, 2, 1, 1), False, 0, "1f1b", "again for every micro-batch"),
+    ((2, 1, 1, 1), True, 0, "1f1b", "only after the whole backward"),
+    ((1, 1, 1, 1), False, 4, "1f1b", "experts live in a second one"),
+    ((1, 1, 2, 1), False, 0, "zero-bubble", "splits that backward into two passes")])
+def test_stage3_refuses_what_it_cannot_do_in_one_line(mesh, sequence_parallel, experts, schedule, message):
+    parallel = ParallelConfig(zero_stage=3, sequence_parallel=sequence_parallel, schedule=schedule).validate()
     with pytest.raises(UserError, match=message):
         check_layout(tiny_model(num_experts=experts), tiny_train(), mesh, parallel)
 
