@@ -231,6 +231,27 @@ def test_object_array_that_needs_pickle_is_refused(format1_copy):
     expect_load_error(copy_of, relpath, "would need pickle; refusing to load")
 
 
+def duplicate_half(manifest):
+    """The first half of a piece listed twice, its second half never: the element count
+    still adds up, but half the tensor would be garbage."""
+    piece = manifest["pieces"][5]
+    middle = (piece["start"] + piece["stop"]) // 2
+    manifest["pieces"].append({**piece, "stop": middle})
+    piece["stop"] = middle
+
+
+@pytest.mark.parametrize("edit, fragment", [
+    (lambda m: m["pieces"][3].pop("offset"), "a piece lacks one of"),
+    (lambda m: m["tensors"]["ln_f.weight"].update(dtype="object"), "only floats are stored"),
+    (lambda m: m["pieces"][2].update(stop=10**9), "lies outside its tensor or its file"),
+    (lambda m: m["files"].update({"../../etc/passwd": {"bytes": 1}}), "is not a shard of this checkpoint"),
+    (duplicate_half, "cover the same elements"),
+], ids=["missing-field", "object-dtype", "out-of-range", "escaping-path", "duplicate-coverage"])
+def test_a_malformed_manifest_is_one_line(copy_of, edit, fragment):
+    rewrite_manifest(copy_of, edit)
+    expect_load_error(copy_of, "corrupt checkpoint manifest", fragment)
+
+
 def test_pieces_that_leave_a_hole_are_refused(copy_of):
     rewrite_manifest(copy_of, lambda m: m["pieces"][5].update(stop=m["pieces"][5]["stop"] - 1))
     expect_load_error(copy_of, "cover", "elements")

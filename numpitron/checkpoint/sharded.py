@@ -90,6 +90,7 @@ class ShardedReader:
         self.files = manifest.get("files")
         if not isinstance(self.files, dict) or not isinstance(manifest.get("pieces"), list):
             raise UserError(f"corrupt checkpoint manifest in {path}: format 2 needs files and pieces")
+        check_tables(path, self.tensors, self.files, manifest["pieces"])
         self.pieces = {}
         for piece in manifest["pieces"]:
             self.pieces.setdefault((piece["kind"], piece["name"]), []).append(piece)
@@ -125,23 +126,27 @@ class ShardedReader:
             raise UserError(f"corrupt checkpoint {self.path}: it holds no {kind} of {name}")
         dtype, full_shape, axis = np.dtype(meta["dtype"]), tuple(meta["full_shape"]), meta["split_axis"]
         full = np.zeros(full_shape, dtype)
-        covered = 0
+        uncovered = 0
         for tp_rank, tp_size in sorted({(p["tp_rank"], p["tp_size"]) for p in pieces}):
             index = [slice(None)] * len(full_shape)
             if axis is not None:
                 step = full_shape[axis] // tp_size
                 index[axis] = slice(tp_rank * step, (tp_rank + 1) * step)
             local = full[tuple(index)].copy()
-            flat = local.reshape(-1)
+            flat, seen = local.reshape(-1), np.zeros(local.size, bool)
             for p in pieces:
                 if (p["tp_rank"], p["tp_size"]) == (tp_rank, tp_size):
+                    if seen[p["start"]:p["stop"]].any():
+                        raise UserError(f"corrupt checkpoint manifest in {self.path}: two pieces of {kind} {name} "
+                                        f"cover the same elements")
+                    seen[p["start"]:p["stop"]] = True
                     raw = self._file(p["file"])[p["offset"]:p["offset"] + (p["stop"] - p["start"]) * dtype.itemsize]
                     flat[p["start"]:p["stop"]] = raw.view(dtype)
-                    covered += p["stop"] - p["start"]
+            uncovered += int(np.count_nonzero(~seen))
             full[tuple(index)] = local
-        if covered != full.size:
-            raise UserError(f"corrupt checkpoint {self.path}: the pieces of {kind} {name} cover {covered} of "
-                            f"{full.size} elements")
+        if uncovered or (axis is not None and len({p["tp_size"] for p in pieces}) != 1):
+            raise UserError(f"corrupt checkpoint {self.path}: the pieces of {kind} {name} leave {uncovered} of "
+                            f"its elements uncovered")
         return full[tuple(slice(0, n) for n in meta["shape"])]
 
     def getter(self, kind: str, dtype):
@@ -152,6 +157,49 @@ class ShardedReader:
                                 f"refusing to load it")
             return array
         return get
+
+
+PIECE_FIELDS = {"kind": str, "name": str, "tp_rank": int, "tp_size": int, "start": int, "stop": int,
+                "file": str, "offset": int}
+
+
+def check_tables(path: Path, tensors: dict, files: dict, pieces: list) -> None:
+    """Every entry of the three tables well-formed and consistent with the others, so that
+    reading can trust them: float dtypes, shapes, pieces inside their tensor and file."""
+    def bad(what: str):
+        raise UserError(f"corrupt checkpoint manifest in {path}: {what}")
+    sizes = {}
+    for name, meta in tensors.items():
+        try:
+            dtype, shape, full = np.dtype(meta["dtype"]), list(meta["shape"]), list(meta["full_shape"])
+        except (KeyError, TypeError, ValueError):
+            bad(f"tensor {name} has no valid dtype and shapes")
+        if dtype.kind != "f":
+            bad(f"tensor {name} has dtype {dtype}; only floats are stored")
+        if not all(isinstance(n, int) and n >= 0 for n in shape + full) or len(shape) != len(full) \
+                or any(a > b for a, b in zip(shape, full)):
+            bad(f"tensor {name} has shape {shape} inside {full}")
+        axis = meta.get("split_axis")
+        if axis is not None and (not isinstance(axis, int) or not 0 <= axis < len(full)):
+            bad(f"tensor {name} has split axis {axis!r}")
+        sizes[name] = (int(np.prod(full)), full[axis] if axis is not None else None, dtype.itemsize)
+    for relpath, entry in files.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) \
+                or Path(relpath).is_absolute() or ".." in Path(relpath).parts:
+            bad(f"file entry {relpath!r} is not a shard of this checkpoint")
+    for piece in pieces:
+        if not isinstance(piece, dict) or any(type(piece.get(k)) is not t for k, t in PIECE_FIELDS.items()):
+            bad(f"a piece lacks one of {', '.join(PIECE_FIELDS)}")
+        if piece["kind"] not in KINDS or piece["name"] not in tensors or piece["file"] not in files:
+            bad(f"a piece names an unknown kind, tensor or file: {piece['kind']} {piece['name']} {piece['file']}")
+        total, split, itemsize = sizes[piece["name"]]
+        tp_size, tp_rank = piece["tp_size"], piece["tp_rank"]
+        if tp_size < 1 or not 0 <= tp_rank < tp_size or (split is not None and split % tp_size):
+            bad(f"a piece of {piece['name']} is on tp rank {tp_rank} of {tp_size}")
+        local = total // tp_size if split is not None else total
+        if not 0 <= piece["start"] < piece["stop"] <= local or piece["offset"] < 0 \
+                or piece["offset"] + (piece["stop"] - piece["start"]) * itemsize > files[piece["file"]]["bytes"]:
+            bad(f"a piece of {piece['name']} lies outside its tensor or its file")
 
 
 def stage_range(store, lo: int, hi: int, get_full) -> np.ndarray:
