@@ -111,10 +111,6 @@ class GPTStage(Layer):
     def parameters(self):
         return [p for store in self.stores for p in store.params]
 
-    def zero_grad(self) -> None:
-        for store in self.stores:
-            store.zero_grad()
-
     def input_shape(self, B: int, T: int) -> tuple:
         """What a chunk receives from the previous virtual stage: activations (B, T, C),
         the sequence split over tp when sequence-parallel."""

@@ -38,9 +38,8 @@ def shard_relpath(world_rank: int) -> str:
 def written_params(model, store, topo):
     """The parameters of `store` this rank writes: the first stage's tied embedding only,
     and a tp-replicated tensor from tp rank 0 only (the others hold the same values)."""
-    from numpitron.model import TOKEN_EMBEDDING
-    return [p for p in store.params if (model.first or p.name != TOKEN_EMBEDDING)
-            and (p.split_axis is not None or topo.tp_rank == 0)]
+    from numpitron.distributed.gather import saved_params
+    return [p for p in saved_params(model, store) if p.split_axis is not None or topo.tp_rank == 0]
 
 
 def write_rank_shard(directory: Path, trainer) -> dict:

@@ -5,23 +5,20 @@
 name on world rank 0: a gather over tp within data replica 0 of every stage,
 then each stage's leader sends its tensors to rank 0. Experts are held by the ep
 ranks of a data replica, each its own: `gather_stores` gathers them from the ep
-ranks of replica 0 as well. `fill_from_full` is the inverse: each rank cuts its own
-shard out of full tensors (memory-mapped files, typically), so any full set of
-tensors loads onto any mesh.
+ranks of replica 0 as well. (The inverse, cutting a rank's shard out of full
+tensors, is `checkpoint.sharded.stage_range`.)
 """
 
 import numpy as np
 
-from numpitron.nn.param import pad_to_full
-
 GATHER_TAG = 77
 
 
-def saved_params(model):
-    """The stage's parameters that are saved: all but the last stage's copy of the
-    tied token embedding (the first stage's copy is the same tensor)."""
+def saved_params(model, store=None):
+    """The parameters of `store` (default: the dense one) that are saved: all but the
+    last stage's copy of the tied token embedding (the first stage's is the same tensor)."""
     from numpitron.model import TOKEN_EMBEDDING
-    return [p for p in model.store.params if model.first or p.name != TOKEN_EMBEDDING]
+    return [p for p in (store or model.store).params if model.first or p.name != TOKEN_EMBEDDING]
 
 
 def _gather_over_tp(param, local, tp_comm):
@@ -79,14 +76,3 @@ def gather_stores(model, topo, flats: list[dict]) -> dict | None:
         for kind, tensors in (experts or {}).items():
             full[kind].update(tensors)
     return full
-
-
-def fill_from_full(model, flat, get_full, store=None) -> None:
-    """Write this rank's shard of every parameter of `store` (default: model.store) into
-    `flat` (laid out like store.data); get_full(name) returns the full logical tensor."""
-    store = store or model.store
-    for p in store.params:
-        full = np.asarray(get_full(p.name))
-        if full.shape != p.logical_shape:
-            raise ValueError(f"{p.name}: expected shape {p.logical_shape}, got {full.shape}")
-        store.view(flat, p.name)[...] = pad_to_full(full, p.full_shape)[p.tp_slice()]

@@ -6,7 +6,6 @@
     step(lr) -> grad norm    finish averaging gradients over dp, clip by the global
                              norm, apply AdamW to the slice [lo, hi) this rank updates
     full_moments()           Adam's m and v laid out like the store's flat buffer
-    load_moments(m, v, t)    the inverse
     state_nbytes()           bytes of optimizer state on this rank
     memory_bytes()           parameters, gradients, state, and in-pass peaks (docs/12)
     residency(model)         where the model's parameters live during a pass (ZeRO-3)
@@ -74,7 +73,6 @@ class DistributedOptimizer:
         state), and the peaks of what exists only during a pass: parameters gathered
         whole (ZeRO-3) and whole gradient buffers (ZeRO-2 and 3). Their sum is the peak."""
         grads = 0 if self.store.grad is None else self.store.grad.nbytes
-        grads += getattr(self, "grad_shard", np.empty(0)).nbytes
         return {"params": self.store.data.nbytes, "grads": grads, "optimizer_state": self.state_nbytes(),
                 "gathered_params_peak": 0, "backward_grads_peak": 0}
 
@@ -100,10 +98,6 @@ class DistributedOptimizer:
 
     def full_moments(self):
         raise NotImplementedError
-
-    def load_moments(self, m_full, v_full, step_count: int) -> None:
-        """m and v laid out like the store's flat buffer: keep this rank's slice."""
-        self.adam.load_state(m_full[self.lo:self.hi], v_full[self.lo:self.hi], step_count)
 
     def state_nbytes(self) -> int:
         return self.adam.state_nbytes

@@ -39,6 +39,11 @@ class ZeroOneOptimizer(DistributedOptimizer):
         self.decay_shard = store.decay_mask[self.lo:self.hi].copy()
         self.norm_shard = store.norm_mask[self.lo:self.hi].copy()
 
+    def memory_bytes(self) -> dict:
+        """The whole gradient buffer (freed between steps from stage 2 on) and the slice."""
+        memory = super().memory_bytes()
+        return {**memory, "grads": memory["grads"] + self.grad_shard.nbytes}
+
     def reduce_grads(self) -> None:
         self.group.comm.reduce_scatter(self.store.grad, self.grad_shard)     # 1.
         self.grad_shard *= 1.0 / self.group.batch_ranks
