@@ -60,13 +60,15 @@ def measure(attn, x, dy, reps: int) -> dict:
         wall_s.append(time.perf_counter() - start)
     T, cp = x.shape[1], attn.cp.size
     size = T // 2 if attn.chunks is zigzag_chunks else T
-    pairs = []
+    pairs = set()                 # a chunk pair is computed when any of its query tiles sees a key of it
     for step, saved in enumerate(cache["saved"]):
         owner = (attn.cp_rank - step) % cp
         for qc, end, _, _ in saved:
             for kc in attn.chunks(T, cp, owner):
-                if kc.stop <= end:
-                    pairs.append((step, qc.position // size, kc.position // size, kc.position == qc.position))
+                if kc.start < end:
+                    q_chunk = qc.position // size
+                    pairs.add((step, q_chunk, kc.position // size, kc.position // size == q_chunk))
+    pairs = sorted(pairs)
     kept = cache_nbytes([s[2] for saved in cache["saved"] for s in saved])
     return {"busy_ms": 1e3 * float(np.median(busy_s[1:])), "wall_ms": 1e3 * float(np.median(wall_s[1:])),
             "pairs": pairs, "probs_bytes": kept}

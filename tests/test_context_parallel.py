@@ -8,7 +8,8 @@ from mpi4py import MPI
 
 from numpitron.checkpoint import load_checkpoint, save_checkpoint
 from numpitron.distributed.topology import Topology
-from numpitron.nn.blockwise_attention import AttentionState, attend_block, attend_block_backward
+from numpitron.nn.blockwise_attention import AttentionState, attend_block, attend_block_backward, query_tiles
+from numpitron.nn.blockwise_attention import visible_keys
 from numpitron.parallel.context import Chunk, local_positions, zigzag_chunks
 from tests.harness import assert_on_every_rank, make_trainer, serial_reference, tiny_model, tiny_tokens, tiny_train
 from tests.harness import train_steps
@@ -26,10 +27,12 @@ def dense_attention(q, k, v):
     return p @ v, p
 
 
-def test_blockwise_attention_equals_plain_softmax_in_any_block_order():
+@pytest.mark.parametrize("tile", [None, 3])
+def test_blockwise_attention_equals_plain_softmax_in_any_block_order(tile):
     """Keys arrive in three blocks, in an order where some query chunks see nothing of
-    the first block (fully masked: skipped) and others see it whole: the merged output
-    and every gradient equal plain attention's."""
+    the first block (fully masked: skipped) and others see it whole; in query tiles of
+    3 rows some tiles see only part of a block (cut, and masked): the merged output and
+    every gradient equal plain attention's."""
     rng = np.random.default_rng(0)
     q, k, v, dout = (rng.standard_normal((B, H, T, D)) for _ in range(4))
     expected, p = dense_attention(q, k, v)
@@ -37,11 +40,15 @@ def test_blockwise_attention_equals_plain_softmax_in_any_block_order():
     grads = {"dq": ds @ k, "dk": ds.transpose(0, 1, 3, 2) @ q, "dv": p.transpose(0, 1, 3, 2) @ dout}
 
     q_chunks = [Chunk(0, 4, 0), Chunk(4, 8, 4), Chunk(8, 12, 8)]
+    if tile:
+        q_chunks = query_tiles(q_chunks, tile)
+        assert visible_keys(Chunk(3, 6, 3), [Chunk(0, 4, 4)]) == [Chunk(0, 2, 4)]
     blocks = [(8, 12), (0, 4), (4, 8)]               # the latest keys first
     state, saved = AttentionState(q), []
     for lo, hi in blocks:
         saved.append(attend_block(q, q_chunks, k[:, :, lo:hi], v[:, :, lo:hi], [Chunk(0, hi - lo, lo)], state))
-    assert len(saved[0]) == 1                        # only the last query chunk sees the latest keys
+    # only the last query chunk sees the latest keys (and, in tiles, the tile before it)
+    assert [group[1] for group in saved[0]] == ([3, 4] if tile else [4])
     assert rel_diff(state.out, expected) <= EQUIV_RTOL_FLOAT64
 
     dq, dk, dv = np.empty_like(q), np.zeros_like(k), np.zeros_like(v)

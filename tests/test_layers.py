@@ -8,17 +8,23 @@ gradient untouched; `backward_weights(cache)` must then accumulate dL/dparam; an
 (L(a + eps) - L(a - eps)) / (2 eps) for that entry.
 """
 
+import warnings
+
 import numpy as np
+import pytest
 
 from numpitron.config import ModelConfig
 from numpitron.distributed.topology import Topology
 from numpitron.model import GPTStage
+from numpitron.nn import blockwise_attention
+from numpitron.nn.activation_memory import attention_area, block_activation_bytes
 from numpitron.nn.attention import ParallelAttention
 from numpitron.nn.block import Block
 from numpitron.nn.cross_entropy import VocabParallelCrossEntropy
 from numpitron.nn.embedding import Embeddings, PositionEmbedding, VocabParallelEmbedding, VocabShard
-from numpitron.nn.functional import gelu_backward, gelu_forward
+from numpitron.nn.functional import TILE_ELEMENTS, bias_gelu_forward, gelu_backward
 from numpitron.nn.head import LanguageModelHead, TiedLMHead
+from numpitron.nn.layer import cache_nbytes
 from numpitron.nn.layernorm import LayerNorm
 from numpitron.nn.linear import ColumnParallelLinear, RowParallelLinear
 from numpitron.nn.mlp import ParallelMLP
@@ -150,6 +156,23 @@ def test_block():
     check_layer(Block("blocks.0", C, H, 2, SERIAL), rand_x())
 
 
+@pytest.mark.parametrize("tile", [1, 2])
+def test_attention_in_query_tiles_skips_the_future_and_keeps_what_the_formula_says(monkeypatch, tile):
+    # Chunks of 2 and 3 rows cut into tiles of `tile` rows: gradients still exact (with
+    # the probabilities kept or recomputed), and the block keeps the bytes it should.
+    monkeypatch.setattr(blockwise_attention, "QUERY_TILE", tile)
+    check_layer(ParallelAttention("attn", C, H, SERIAL, out_std=0.3), rand_x())
+    check_layer(ParallelAttention("attn", C, H, SERIAL, out_std=0.3, keep_probs=False), rand_x())
+    block = Block("blocks.0", C, H, 2, SERIAL)
+    make_store(block.parameters())
+    cache = block.forward(rand_x())[1]
+    # T = 5 is chunks [0, 2) and [2, 5); each tile sees the keys up to its last query
+    ends = {1: [1, 2, 3, 4, 5], 2: [2, 4, 5]}[tile]
+    assert [end for _, end, _, _ in cache["attn"]["saved"][0]] == ends
+    assert attention_area(T) == {1: 15, 2: 2 * 2 + 2 * 4 + 1 * 5}[tile] < T * T
+    assert cache_nbytes(cache) == block_activation_bytes(B, T, C, H, itemsize=8)
+
+
 def test_recomputed_block_and_attention_without_kept_probabilities():
     check_layer(Recomputed(Block("blocks.0", C, H, 2, SERIAL)), rand_x())
     check_layer(ParallelAttention("attn", C, H, SERIAL, out_std=0.3, keep_probs=False), rand_x())
@@ -198,24 +221,34 @@ def test_cross_entropy_equals_minus_log_softmax():
     assert rel_diff(loss, expected) <= EQUIV_RTOL_FLOAT64
 
 
-def test_gelu_matches_tanh_formula_and_its_derivative():
-    x = np.linspace(-6, 6, 241)
+def test_bias_gelu_matches_tanh_formula_and_its_derivative_across_tiles():
+    # more rows than one tile holds, and both far tails (exp(-2u) overflows below
+    # x = -22 in float64, -10 in float32)
+    rows, cols = 300, 241
+    assert rows * cols > TILE_ELEMENTS
+    bias = np.random.default_rng(1).normal(size=cols)
+    x = np.linspace(-30, 8, rows * cols).reshape(rows, cols)
+    h = x - bias
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")              # the overflow is expected and silenced
+        y, sig = bias_gelu_forward(h, bias)
+    assert np.array_equal(h, x - bias + bias)         # h became GELU's input
     expected = 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
-    y, t = gelu_forward(x.copy())
     assert rel_diff(y, expected) <= EQUIV_RTOL_FLOAT64
+    assert np.all(np.isfinite(sig)) and np.all(y[x < -23] == 0)
     # the derivative, in extended precision and in a form without cancellation in the
     # tails: 1 + tanh(u) = 2 / (1 + e^(-2u)), 1 - tanh(u)^2 = 1 / cosh(u)^2
-    xl = x.astype(np.longdouble)
+    xl = h.astype(np.longdouble)
     s, a = np.sqrt(np.longdouble(2) / np.pi), np.longdouble(0.044715)
     u = s * (xl + a * xl ** 3)
     dgelu = 1 / (1 + np.exp(-2 * u)) + 0.5 * xl * s * (1 + 3 * a * xl ** 2) / np.cosh(u) ** 2
     dy = np.random.default_rng(0).normal(size=x.shape)
-    dx = gelu_backward(dy.copy(), x, t)
+    dx = gelu_backward(dy.copy(), h, sig, y)
     assert rel_diff(dx, (dy * dgelu).astype(np.float64)) <= EQUIV_RTOL_FLOAT64
     # and central differences where they are accurate (away from the far tails)
-    core = np.abs(x) <= 3
-    xc = x[core].copy()
-    assert_fd("gelu", dx[core], lambda: gelu_forward(xc.copy())[0], dy[core], xc)
+    hc, zero, dyc = np.linspace(-3, 3, 61)[None, :], np.zeros(61), dy[:1, :61]
+    yc, sigc = bias_gelu_forward(hc.copy(), zero)
+    assert_fd("gelu", gelu_backward(dyc, hc, sigc, yc), lambda: bias_gelu_forward(hc.copy(), zero)[0], dyc, hc)
 
 
 def tiny_stage():
@@ -254,8 +287,11 @@ def test_gradients_accumulate():
     dy = rand_x(seed=7)
     block.backward(dy, block.forward(rand_x())[1])
     once = store.grad.copy()
+    # Every gradient is nonzero but the key bias's: softmax ignores a constant added to
+    # a row of scores, so that gradient is zero up to rounding, and may round to 0.
+    for p in block.parameters():
+        assert np.all((p.grad[[0, 2]] if p.name.endswith("qkv.bias") else p.grad) != 0), p.name
     block.backward(dy, block.forward(rand_x())[1])
-    assert np.all(once[:store.numel] != 0)
     assert np.array_equal(store.grad, 2 * once)
     # The whole stage: the tied embedding sums two contributions (embedding and head),
     # so (E + H) + H + E == 2 (E + H) only up to rounding.

@@ -9,30 +9,42 @@ heads, tp tensor-parallel ranks and no dropout, in elements:
                                   4 n C + 2 n            n = B T, or B T / tp sequence-parallel
     attention: q, k, v            3 B T C / tp
                head outputs        B T C / tp
-               log-sum-exp (2x)   2 B T H / tp           the running one and each group's
-               probabilities      B H P / tp             P = 3T^2/4: two chunks, one masked quarter skipped
-    MLP: hidden, tanh, GELU      12 B T C / tp
+               log-sum-exp        B H (T + G) / tp       the running one and each group's (G rows)
+               probabilities      B H P / tp             P ~ T (T + t) / 2: query tiles of t rows
+                                                         skip the keys in their future
+    MLP: hidden, sigmoid, GELU   12 B T C / tp
 
 Selective recomputation drops the probabilities; full recomputation keeps only the
 block's input, n C.
 """
 
+from numpitron.nn.blockwise_attention import query_tiles, visible_keys
+from numpitron.parallel.context import zigzag_chunks
 
-def attention_area(T: int, cp: int = 1) -> int:
-    """Score entries per head a rank keeps for its local sequence of T tokens in two
-    chunks of c = T // 2 (parallel/context.py). With cp = 1 the first chunk's queries
-    see c keys, the second's all T; around a ring of cp ranks every rank computes
-    2cp + 1 chunk pairs of c x c."""
-    c = T // 2
-    return c * c + (T - c) * T if cp == 1 else (2 * cp + 1) * c * c
+
+def softmax_groups(T: int, cp: int = 1, cp_rank: int = 0):
+    """(query rows, keys) of every softmax group a rank computes for its local sequence
+    of T tokens over a whole ring: the query tiles of its two zigzag chunks
+    (parallel/context.py) against the visible prefix of each block, exactly as
+    nn/attention.py walks them."""
+    mine = query_tiles(zigzag_chunks(T, cp, cp_rank))
+    for step in range(cp):
+        owner = (cp_rank - step) % cp
+        for tile in mine:
+            seen = visible_keys(tile, zigzag_chunks(T, cp, owner))
+            if seen:
+                yield tile.stop - tile.start, seen[-1].stop
+
+
+def attention_area(T: int, cp: int = 1, cp_rank: int = 0) -> int:
+    """Probabilities per head a rank keeps: about T (T + t) / 2 with cp = 1 and query
+    tiles of t rows, against the T^2 of the whole score matrix."""
+    return sum(rows * keys for rows, keys in softmax_groups(T, cp, cp_rank))
 
 
 def lse_rows(T: int, cp: int = 1, cp_rank: int = 0) -> int:
-    """Rows of log-sum-exp kept per head: the running one (T) and one per softmax group
-    (the two chunks once each with cp = 1; around a ring, rank r's late chunk meets cp
-    groups and its early chunk r + 1)."""
-    c = T // 2
-    return T + (T if cp == 1 else (cp + cp_rank + 1) * c)
+    """Rows of log-sum-exp kept per head: the running one (T) and one per softmax group."""
+    return T + sum(rows for rows, _ in softmax_groups(T, cp, cp_rank))
 
 
 def block_activation_bytes(B: int, T: int, C: int, H: int, tp: int = 1, sequence_parallel: bool = False,
@@ -42,5 +54,5 @@ def block_activation_bytes(B: int, T: int, C: int, H: int, tp: int = 1, sequence
         return itemsize * n * C
     elements = 4 * n * C + 2 * n + (3 + 1 + 12) * B * T * C // tp + B * H * lse_rows(T, cp, cp_rank) // tp
     if recompute != "selective":
-        elements += B * H * attention_area(T, cp) // tp
+        elements += B * H * attention_area(T, cp, cp_rank) // tp
     return itemsize * elements

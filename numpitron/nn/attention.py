@@ -20,7 +20,8 @@ attend to every cached one, as one more block.
 
 import numpy as np
 
-from numpitron.nn.blockwise_attention import AttentionState, attend_block, attend_block_backward
+from numpitron.nn.blockwise_attention import AttentionState, attend_block, attend_block_backward, query_tiles
+from numpitron.nn.functional import row_sums
 from numpitron.nn.layer import Layer
 from numpitron.nn.linear import ColumnParallelLinear, RowParallelLinear
 from numpitron.parallel.context import Chunk, zigzag_chunks
@@ -62,7 +63,7 @@ class ParallelAttention(Layer):
         state = AttentionState(q)
         if kv is not None:                               # the new positions, after the cached ones
             keys, values, start = kv.append(k, v)
-            saved = [attend_block(q, [Chunk(0, T, start)], keys, values, [Chunk(0, start + T, 0)], state)]
+            saved = [attend_block(q, query_tiles([Chunk(0, T, start)]), keys, values, [Chunk(0, start + T, 0)], state)]
         else:
             saved = self._ring_forward(q, k, v, state)
         merged = state.out.transpose(0, 2, 1, 3).reshape(B, T, -1)
@@ -74,7 +75,7 @@ class ParallelAttention(Layer):
 
     def _ring_forward(self, q, k, v, state):
         T, cp = q.shape[2], self.cp.size
-        mine = self.chunks(T, cp, self.cp_rank)
+        mine = query_tiles(self.chunks(T, cp, self.cp_rank))
         saved, block = [], [k, v]
         for step in range(cp):
             owner = (self.cp_rank - step) % cp
@@ -92,7 +93,8 @@ class ParallelAttention(Layer):
         dmerged = self.proj.backward_input(dy, cache["proj"])
         heads = (B, T, self.local_heads, self.head_dim)
         # D = rowsum(dO * O), from the merged output the projection kept: (B, H/tp, T, 1)
-        d_rowsum = (dmerged * cache["proj"]["x"]).reshape(heads).sum(axis=-1).transpose(0, 2, 1)[..., None]
+        d_rowsum = row_sums((dmerged * cache["proj"]["x"]).reshape(-1, self.head_dim))
+        d_rowsum = d_rowsum.reshape(heads[:3]).transpose(0, 2, 1)[..., None]
         dout = np.ascontiguousarray(dmerged.reshape(heads).transpose(0, 2, 1, 3))
         dqkv = np.empty((3, B, self.local_heads, T, self.head_dim), dy.dtype)
         dq, dk, dv = dqkv
@@ -102,7 +104,7 @@ class ParallelAttention(Layer):
                 incoming, pending = self.cp.ring_pass(block, KV_TAG)
             if not self.keep_probs:                      # recompute this block's probabilities
                 owner = (self.cp_rank - step) % self.cp.size
-                saved = attend_block(q, self.chunks(T, self.cp.size, self.cp_rank), *block,
+                saved = attend_block(q, query_tiles(self.chunks(T, self.cp.size, self.cp_rank)), *block,
                                      self.chunks(T, self.cp.size, owner), AttentionState(q))
             attend_block_backward(saved, q, *block, dout, d_rowsum, state, dq, *grads, dq_written,
                                   block_grads_fresh=step == 0)

@@ -4,9 +4,12 @@ all at once on one rank) and the full T x T scores never need to exist together.
 
 A chunk carries the global positions of its rows (`parallel.context.Chunk`), which is
 all the causal mask needs: a key is visible to a query when its position is not later.
-For each query chunk the visible key chunks of the block form one softmax group (in
-our layouts they are always a prefix of the block); chunks entirely in the future
-are skipped, not masked. Each group's normalised output O_g and log-sum-exp L_g are
+Queries go in tiles of at most QUERY_TILE rows (`query_tiles`), and for each tile the
+keys it can see form one softmax group: a prefix of the block's rows (its chunks are
+in position order), cut where the tile's last query stops seeing (`visible_keys`).
+Keys entirely in a tile's future are skipped, not masked: with tiles of t rows a
+sequence of T computes about T (T + t) / 2 scores instead of T^2, which is the causal
+half of the work flash attention skips too (Dao et al. 2022, §3.1). Each group's normalised output O_g and log-sum-exp L_g are
 folded into the running result with the online-softmax rule (Milakov & Gimelshein
 2018; flash attention, Dao et al. 2022, Alg. 1):
 
@@ -21,8 +24,30 @@ normaliser, P = P_g exp(L_g - L), and D = rowsum(dO * O) (flash attention, Alg. 
 import numpy as np
 
 from numpitron.nn.functional import softmax_lastdim_with_lse_
+from numpitron.parallel.context import Chunk
 
 _MASKS = {}
+# Query rows per tile. Smaller tiles skip more of the masked triangle but make the
+# batched matmuls smaller; at T = 256, d_head 64, 64 rows is the faster of 32, 64, 128.
+QUERY_TILE = 64
+
+
+def query_tiles(chunks, rows: int | None = None) -> list:
+    """The chunks cut into tiles of at most `rows` (QUERY_TILE) consecutive rows."""
+    rows = rows or QUERY_TILE
+    return [Chunk(c.start + i, min(c.start + i + rows, c.stop), c.position + i)
+            for c in chunks for i in range(0, c.stop - c.start, rows)]
+
+
+def visible_keys(q_chunk, k_chunks) -> list:
+    """The part of each key chunk that the last query of q_chunk may see (positions
+    not after its own), dropping chunks it cannot see at all."""
+    seen = []
+    for kc in k_chunks:
+        n = min(kc.stop - kc.start, q_chunk.last_position - kc.position + 1)
+        if n > 0:
+            seen.append(Chunk(kc.start, kc.start + n, kc.position))
+    return seen
 
 
 def _mask(q_chunk, k_chunks, dtype):
@@ -54,7 +79,7 @@ def attend_block(q, q_chunks, k, v, k_chunks, state: AttentionState) -> list:
     q holds the 1/sqrt(hd) scale already. Returns what the backward needs."""
     saved = []
     for qc in q_chunks:
-        visible = [kc for kc in k_chunks if kc.position <= qc.last_position]
+        visible = visible_keys(qc, k_chunks)
         if not visible:
             continue
         end = visible[-1].stop                      # the visible chunks are rows [0, end)

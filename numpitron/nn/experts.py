@@ -16,7 +16,7 @@ checkpoint stores it under the same name for any ep.
 
 import numpy as np
 
-from numpitron.nn.functional import gelu_backward, gelu_forward
+from numpitron.nn.functional import bias_gelu_forward, column_sums, gelu_backward
 from numpitron.nn.layer import Layer
 from numpitron.nn.param import Param
 
@@ -47,13 +47,13 @@ class LocalExperts(Layer):
     def forward(self, x, counts):
         # x: (R, C) tokens grouped by local expert -> (R, C)
         y = np.empty_like(x)
-        cache = {"x": x, "counts": counts, "h": [], "tanh": [], "a": []}
+        cache = {"x": x, "counts": counts, "h": [], "sig": [], "a": []}
         for e, (lo, hi) in enumerate(self.bounds(counts)):
-            h = x[lo:hi] @ self.fc_w[e].data + self.fc_b[e].data     # (rows, 4C / tp)
-            a, tanh_term = gelu_forward(h)
+            h = x[lo:hi] @ self.fc_w[e].data                          # (rows, 4C / tp)
+            a, sig = bias_gelu_forward(h, self.fc_b[e].data)            # h += bias, then GELU
             y[lo:hi] = a @ self.proj_w[e].data                          # partial sum over tp
             cache["h"].append(h)
-            cache["tanh"].append(tanh_term)
+            cache["sig"].append(sig)
             cache["a"].append(a)
         self.tp.all_reduce(y)                                           # "g", for every expert at once
         for e, (lo, hi) in enumerate(self.bounds(counts)):
@@ -65,7 +65,7 @@ class LocalExperts(Layer):
         dx = np.empty_like(dy)
         for e, (lo, hi) in enumerate(self.bounds(cache["counts"])):
             da = dy[lo:hi] @ self.proj_w[e].data.T
-            dh = gelu_backward(da, cache["h"][e], cache["tanh"][e])
+            dh = gelu_backward(da, cache["h"][e], cache["sig"][e], cache["a"][e])
             dx[lo:hi] = dh @ self.fc_w[e].data.T                       # this rank's share
             cache["dh"].append(dh)
         return self.tp.all_reduce(dx)                                   # "f", for every expert at once
@@ -74,6 +74,6 @@ class LocalExperts(Layer):
         x, dy = cache["x"], cache["dy"]
         for e, (lo, hi) in enumerate(self.bounds(cache["counts"])):
             self.proj_w[e].grad += cache["a"][e].T @ dy[lo:hi]
-            self.proj_b[e].grad += dy[lo:hi].sum(axis=0)
+            self.proj_b[e].grad += column_sums(dy[lo:hi])
             self.fc_w[e].grad += x[lo:hi].T @ cache["dh"][e]
-            self.fc_b[e].grad += cache["dh"][e].sum(axis=0)
+            self.fc_b[e].grad += column_sums(cache["dh"][e])

@@ -7,6 +7,7 @@ parameter gradients are identical too and need no communication.
 
 import numpy as np
 
+from numpitron.nn.functional import column_sums, row_sums
 from numpitron.nn.layer import Layer, rows
 from numpitron.nn.param import Param
 
@@ -22,24 +23,27 @@ class LayerNorm(Layer):
 
     def forward(self, x):
         # x: (B, T, C), normalised over C
-        mean = x.mean(axis=-1, keepdims=True)
-        xhat = x - mean
+        inv_c = 1.0 / x.shape[-1]
+        mean = row_sums(rows(x))[:, None]           # row means as matrix-vector products (BLAS)
+        mean *= inv_c
+        xhat = rows(x) - mean
         y = np.multiply(xhat, xhat)                  # scratch for the variance, then the output
-        var = y.mean(axis=-1, keepdims=True)
+        var = row_sums(y)[:, None]
+        var *= inv_c
         var += self.eps
         rstd = np.sqrt(var, out=var)
         np.reciprocal(rstd, out=rstd)
         xhat *= rstd
         np.multiply(xhat, self.weight.data, out=y)
         y += self.bias.data
-        return y, {"xhat": xhat, "rstd": rstd}
+        return y.reshape(x.shape), {"xhat": xhat, "rstd": rstd}
 
     def backward_input(self, dy, cache):
         xhat, rstd, w = rows(cache["xhat"]), rows(cache["rstd"]), self.weight.data
         dy2 = rows(dy)
         dy_xhat = dy2 * xhat
         # The weight half needs only these two column sums: keep them, not (N, C) arrays.
-        cache["dweight"], cache["dbias"] = dy_xhat.sum(axis=0), dy2.sum(axis=0)
+        cache["dweight"], cache["dbias"] = column_sums(dy_xhat), column_sums(dy2)
         # Closed form: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * weight.
         # The two row means are matrix-vector products (BLAS): mean(g) = dy @ w / C and
         # mean(g * xhat) = (dy * xhat) @ w / C.

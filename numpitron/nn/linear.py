@@ -13,6 +13,7 @@ forward and one backward. With sequence parallelism the same two points become a
 all-gather and a reduce-scatter each (nn/regions.py decides which; the layers ask it).
 """
 
+from numpitron.nn.functional import column_sums
 from numpitron.nn.layer import Layer, rows
 from numpitron.nn.param import Param
 from numpitron.nn.regions import ReplicatedRegion
@@ -27,8 +28,11 @@ class ColumnParallelLinear(Layer):
     """
 
     def __init__(self, name: str, in_features: int, out_features: int, topo, groups: int = 1, std: float = 0.02,
-                 region=None):
+                 region=None, add_bias: bool = True):
         self.region = region or ReplicatedRegion(topo.tp_comm)
+        # False: the caller adds the bias itself, fused into its next element-wise
+        # pass (Megatron's skip_bias_add; the MLP's bias-GELU). Its gradient is the same.
+        self.add_bias = add_bias
         shape = (in_features, groups, out_features) if groups > 1 else (in_features, out_features)
         bias_shape = (groups, out_features) if groups > 1 else (out_features,)
         tp = dict(tp_rank=topo.tp_rank, tp_size=topo.tp)
@@ -45,7 +49,8 @@ class ColumnParallelLinear(Layer):
         # x: (B, T, in) (or (B, T/tp, in) sequence-parallel) -> y: (B, T, out / tp)
         full = self.region.gather(x)   # identity, or the all-gather along the sequence
         y = rows(full) @ self._w()
-        y += self.bias.data.reshape(-1)
+        if self.add_bias:
+            y += self.bias.data.reshape(-1)
         # Keep x as it came: sequence-parallel, that is 1/tp of the input (gathered
         # again for the weight gradient).
         return y.reshape(*full.shape[:-1], -1), {"x": x}
@@ -59,7 +64,7 @@ class ColumnParallelLinear(Layer):
         dy = rows(cache["dy"])
         x = rows(self.region.gather(cache["x"]))
         self.weight.grad.reshape(-1, dy.shape[1])[...] += x.T @ dy
-        self.bias.grad.reshape(-1)[...] += dy.sum(axis=0)
+        self.bias.grad.reshape(-1)[...] += column_sums(dy)
 
 
 class RowParallelLinear(Layer):
@@ -91,4 +96,4 @@ class RowParallelLinear(Layer):
         self.weight.grad += rows(cache["x"]).T @ rows(cache["dy_full"])
         # The bias met only this rank's tokens: under sequence parallelism a partial
         # sum, completed over tp in GPTStage.finalize_grads.
-        self.bias.grad += rows(cache["dy"]).sum(axis=0)
+        self.bias.grad += column_sums(rows(cache["dy"]))

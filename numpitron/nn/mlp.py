@@ -4,28 +4,29 @@ GELU is element-wise, so it applies to each rank's slice of the hidden layer wit
 no communication in between (Shoeybi et al. 2019, §3, Fig. 3a).
 """
 
-from numpitron.nn.functional import gelu_backward, gelu_forward
-from numpitron.nn.layer import Layer
+from numpitron.nn.functional import bias_gelu_forward, gelu_backward
+from numpitron.nn.layer import Layer, rows
 from numpitron.nn.linear import ColumnParallelLinear, RowParallelLinear
 
 
 class ParallelMLP(Layer):
     def __init__(self, name: str, d_model: int, topo, out_std: float, region=None):
-        self.fc = ColumnParallelLinear(f"{name}.fc", d_model, 4 * d_model, topo, region=region)
+        self.fc = ColumnParallelLinear(f"{name}.fc", d_model, 4 * d_model, topo, region=region, add_bias=False)
         self.proj = RowParallelLinear(f"{name}.proj", 4 * d_model, d_model, topo, std=out_std, region=region)
 
     def parameters(self):
         return self.fc.parameters() + self.proj.parameters()
 
     def forward(self, x):
-        h, fc_cache = self.fc.forward(x)          # (B, T, 4C / tp)
-        a, tanh_term = gelu_forward(h)
+        h, fc_cache = self.fc.forward(x)          # (B, T, 4C / tp), without fc's bias
+        a, sig = bias_gelu_forward(rows(h), self.fc.bias.data)    # fc's bias goes in here
+        a = a.reshape(h.shape)
         y, proj_cache = self.proj.forward(a)      # (B, T, C)
-        return y, {"fc": fc_cache, "h": h, "tanh": tanh_term, "proj": proj_cache}
+        return y, {"fc": fc_cache, "h": h, "sig": sig, "a": a, "proj": proj_cache}
 
     def backward_input(self, dy, cache):
         da = self.proj.backward_input(dy, cache["proj"])
-        dh = gelu_backward(da, cache["h"], cache["tanh"])
+        dh = gelu_backward(rows(da), rows(cache["h"]), cache["sig"], rows(cache["a"])).reshape(da.shape)
         return self.fc.backward_input(dh, cache["fc"])
 
     def backward_weights(self, cache):
