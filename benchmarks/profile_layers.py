@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 
 from numpitron.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from numpitron.distributed.topology import Topology  # noqa: E402
-from numpitron.nn.functional import gelu_backward, gelu_forward, softmax_lastdim_with_lse_  # noqa: E402
+from numpitron.nn.functional import bias_gelu_forward, gelu_backward, softmax_lastdim_with_lse_  # noqa: E402
 from numpitron.trainer import Trainer  # noqa: E402
 
 B, T = 12, 64
@@ -132,21 +132,23 @@ def main():
     add("  attn.proj", L, profile_layer(block.attn.proj, merged, dx))
     add("mlp (whole)", L, profile_layer(block.mlp, h, dx))
     add("  mlp.fc", L, profile_layer(block.mlp.fc, h, gradient_like(hidden, 5)))
-    add("  mlp.proj", L, profile_layer(block.mlp.proj, gelu_forward(hidden)[0], dx))
+    fc_bias = block.mlp.fc.bias.data
+    add("  mlp.proj", L, profile_layer(block.mlp.proj, bias_gelu_forward(hidden.copy(), fc_bias)[0], dx))
     add("block (whole)", L, profile_layer(block, x, dx))
     add("head: ln_f + tied head + loss", 1, profile_layer(model.head, x, 1.0, targets=targets))
     add("  tied head matmuls", 1, profile_layer(model.head.head, h, gradient_like(model.head.head.forward(h)[0], 6)))
     add("model (whole)", 1, profile_layer(model, ids, 1.0, targets=targets))
     # The element-wise kernels, on the shapes the blocks give them
     groups = [probs for step in block.attn.forward(h)[1]["saved"] for _, _, probs, _ in step]
-    tanh_term = gelu_forward(hidden)[1]
+    gelu_in = hidden.copy()
+    gelu_out, sig = bias_gelu_forward(gelu_in, fc_bias)
     dhidden = gradient_like(hidden, 8)
     # Every softmax group of one block (nn/blockwise_attention.py); its backward is two
     # passes inside attend_block_backward, timed with attention.
     add("  kernel: softmax", L, (median_ms(lambda gs: [softmax_lastdim_with_lse_(g) for g in gs],
                                            lambda: [g.copy() for g in groups]), 0.0, 0.0))
-    add("  kernel: gelu", L, (median_ms(lambda _: gelu_forward(hidden)),
-                              median_ms(lambda _: gelu_backward(dhidden, hidden, tanh_term)), 0.0))
+    add("  kernel: bias + gelu", L, (median_ms(lambda h: bias_gelu_forward(h, fc_bias), hidden.copy),
+                                     median_ms(lambda _: gelu_backward(dhidden, gelu_in, sig, gelu_out)), 0.0))
     add("data: global batch", 1, (median_ms(lambda _: trainer.microbatches(tokens, "train", 1)), 0.0, 0.0))
     add("zero_grad", 1, (0.0, median_ms(lambda _: model.store.zero_grad()), 0.0))
     add("optimizer step (norm+clip+AdamW)", 1, (0.0, median_ms(lambda _: trainer.optimizer.step(1e-4)), 0.0))

@@ -63,9 +63,16 @@ def main():
                 result = run_json(cmd)
                 print(json.dumps({"config": name, "run": label, **result}), flush=True)
                 results.setdefault(label, []).append(result)
+        # PyTorch's MFU against the same yardstick: the model FLOPs per token and the
+        # sgemm peak per core that numpitron's runs of this config measured.
+        ours = [r for label, rs in results.items() if label.startswith("numpitron") for r in rs]
+        flops_per_token = ours[0]["flops_per_token"]
+        peak_per_core = statistics.median(r["peak_gflops_per_rank"] for r in ours) * 1e9
         for label, rs in results.items():
-            rows.append((name, label, statistics.median(r["tokens_per_s"] for r in rs),
-                         max(r["peak_rss_mb"] for r in rs), statistics.median(r.get("mfu", float("nan")) for r in rs)))
+            tokens_per_s = statistics.median(r["tokens_per_s"] for r in rs)
+            mfu = statistics.median(r["mfu"] for r in rs) if "mfu" in rs[0] else \
+                tokens_per_s * flops_per_token / (peak_per_core * rs[0]["threads"])
+            rows.append((name, label, tokens_per_s, max(r["peak_rss_mb"] for r in rs), mfu))
     print("\n| config | run | tokens/s | x PyTorch (same threads) | MFU | peak RSS MB |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     base = {}
@@ -74,7 +81,7 @@ def main():
         if label.startswith("pytorch"):
             base[(name, threads)] = tps
         ratio = tps / base[(name, threads)]
-        print(f"| {name} | {label} | {tps:,.0f} | {ratio:.2f} | {'' if mfu != mfu else f'{mfu:.2f}'} | {rss:.0f} |")
+        print(f"| {name} | {label} | {tps:,.0f} | {ratio:.2f} | {mfu:.2f} | {rss:.0f} |")
 
 
 if __name__ == "__main__":

@@ -57,12 +57,13 @@ def row_tiles(n_rows: int, row_len: int):
 
 
 def bias_gelu_forward(h, bias):
-    """h += bias (in place: h becomes GELU's input x), then y = gelu(x).
-    h: (N, F). Returns (y, sig), sig = sigmoid(2u), which the backward needs."""
+    """h += bias (in place: h becomes GELU's input x), then y = gelu(x). h: (..., F),
+    contiguous. Returns (y, sig), sig = sigmoid(2u), which the backward needs."""
     y, sig = np.empty_like(h), np.empty_like(h)
+    x2, s2, y2 = (a.reshape(-1, h.shape[-1]) for a in (h, sig, y))
     with np.errstate(over="ignore"):      # exp(-2u) = inf for x < -10: sig = 0, y = -0, as it should
-        for t in row_tiles(*h.shape):
-            x, s = h[t], sig[t]
+        for t in row_tiles(*x2.shape):
+            x, s = x2[t], s2[t]
             x += bias
             np.multiply(x, x, out=s)
             s *= -2 * _GELU_S * _GELU_A
@@ -71,16 +72,18 @@ def bias_gelu_forward(h, bias):
             np.exp(s, out=s)
             s += 1.0
             np.reciprocal(s, out=s)       # sigmoid(2u)
-            np.multiply(x, s, out=y[t])
+            np.multiply(x, s, out=y2[t])
     return y, sig
 
 
 def gelu_backward(dy, x, sig, y):
-    """dL/dx from dL/dy, GELU's input x, sig = sigmoid(2u) and its output y; (N, F) each."""
+    """dL/dx from dL/dy, GELU's input x, sig = sigmoid(2u) and its output y; (..., F) each."""
     dx = np.empty_like(x)
-    scratch = np.empty_like(x[:max(1, TILE_ELEMENTS // x.shape[1])])
+    width = x.shape[-1]
+    dy, x, sig, y, d2 = (a.reshape(-1, width) for a in (dy, x, sig, y, dx))
+    scratch = np.empty_like(x[:max(1, TILE_ELEMENTS // width)])
     for t in row_tiles(*x.shape):
-        d, one_minus = dx[t], scratch[:t.stop - t.start]
+        d, one_minus = d2[t], scratch[:t.stop - t.start]
         np.multiply(x[t], x[t], out=d)
         d *= 6 * _GELU_S * _GELU_A
         d += 2 * _GELU_S                  # 2 du/dx

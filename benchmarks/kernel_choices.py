@@ -1,0 +1,177 @@
+"""Each speed choice of chapter 15 against the alternative it replaced, in one process.
+
+    python benchmarks/kernel_choices.py [--reps 30]
+
+One BLAS thread, float32, the shapes of the default model (B 12, T 64, C 128, H 4) and
+of nanoGPT's Shakespeare config (B 8, T 256, C 384, H 6). The two variants of each
+choice run alternately, rep after rep, so that the machine's drift hits both alike;
+the table gives the median milliseconds of each and their ratio (below 1: the library's
+choice is faster). The alternatives live here, not in the library:
+
+- GELU: the library's bias + GELU through sigmoid(2u) in row tiles, forward and backward,
+  against a bias add, then GPT-2's tanh form over the whole array (11 passes back);
+- row means and column sums: BLAS matrix-vector products against NumPy's reductions
+  (LayerNorm's forward and both halves of its backward, the same passes otherwise);
+- attention: query tiles of 64 rows against whole chunks of T/2 (the layer's forward and
+  input half, its projections included; at T = 64 a chunk is one tile either way);
+- the q|k|v bias added while the heads are copied into place (one strided pass) against
+  the add, then the copy (two passes): the one choice measured and dropped.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from numpitron.runtime import configure_process  # noqa: E402
+
+configure_process(["--blas-threads", "1"])
+
+import numpy as np  # noqa: E402
+
+from numpitron.distributed.topology import Topology  # noqa: E402
+from numpitron.nn import blockwise_attention  # noqa: E402
+from numpitron.nn.attention import ParallelAttention  # noqa: E402
+from numpitron.nn.functional import bias_gelu_forward, gelu_backward  # noqa: E402
+from numpitron.nn.layernorm import LayerNorm  # noqa: E402
+from numpitron.nn.param import ParamStore  # noqa: E402
+
+SHAPES = {"default": (12, 64, 128, 4), "nanoGPT": (8, 256, 384, 6)}
+S, A = np.sqrt(2.0 / np.pi), 0.044715
+
+
+def tanh_gelu(h, bias, dy):
+    """The replaced kernels: bias add, tanh GELU forward, its backward (from the tanh term)."""
+    x = h + bias
+    t = x * x
+    t *= S * A
+    t += S
+    t *= x
+    np.tanh(t, out=t)
+    y = t + 1.0
+    y *= x
+    y *= 0.5
+    d = x * x
+    d *= 3 * A
+    d += 1.0
+    d *= 0.5 * S
+    d *= x
+    sech2 = t * t
+    np.subtract(1.0, sech2, out=sech2)
+    d *= sech2
+    d += 0.5
+    d += t * 0.5
+    d *= dy
+    return y, d
+
+
+def sigmoid_gelu(h, bias, dy):
+    x = h.copy()                       # the library adds the bias into h in place
+    y, sig = bias_gelu_forward(x, bias)
+    return y, gelu_backward(dy, x, sig, y)
+
+
+def layernorm_by_reductions(ln, x, dy):
+    """The library's LayerNorm passes, with NumPy's reductions where it now calls BLAS
+    (row means; the two column sums of the weight half)."""
+    mean = x.mean(axis=-1, keepdims=True)
+    xhat = x - mean
+    y = np.multiply(xhat, xhat)
+    var = y.mean(axis=-1, keepdims=True)
+    var += ln.eps
+    rstd = np.reciprocal(np.sqrt(var, out=var), out=var)
+    xhat *= rstd
+    np.multiply(xhat, ln.weight.data, out=y)
+    y += ln.bias.data
+    w, inv_c = ln.weight.data, 1.0 / x.shape[1]
+    dy_xhat = dy * xhat
+    sums = dy_xhat.sum(axis=0), dy.sum(axis=0)
+    mean_g, mean_gx = (dy @ w)[:, None] * inv_c, (dy_xhat @ w)[:, None] * inv_c
+    g = dy * w
+    g -= mean_g
+    g -= np.multiply(xhat, mean_gx, out=dy_xhat)
+    g *= rstd
+    return y, g, sums
+
+
+def layernorm_library(ln, x, dy):
+    y, cache = ln.forward(x)
+    return y, ln.backward_input(dy, cache), (cache["dweight"], cache["dbias"])
+
+
+def split_heads_add_then_copy(qkv, bias, shape):
+    B, T, H, hd = shape
+    return np.ascontiguousarray((qkv + bias).reshape(B, T, 3, H, hd).transpose(2, 0, 3, 1, 4))
+
+
+def split_heads_fused(qkv, bias, shape):
+    B, T, H, hd = shape
+    heads = np.empty((3, B, H, T, hd), qkv.dtype)
+    np.add(qkv.reshape(B, T, 3, H, hd).transpose(2, 0, 3, 1, 4), bias.reshape(3, 1, H, 1, hd), out=heads)
+    return heads
+
+
+def attention_pass(attn, x, dy, tile):
+    blockwise_attention.QUERY_TILE = tile
+    try:
+        _, cache = attn.forward(x)
+        return attn.backward_input(dy, cache)
+    finally:
+        blockwise_attention.QUERY_TILE = LIBRARY_TILE
+
+
+LIBRARY_TILE = blockwise_attention.QUERY_TILE
+
+
+def cases(B, T, C, H):
+    """(name, library's choice, the alternative), each a no-argument callable."""
+    rng = np.random.default_rng(0)
+
+    def r(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+    hidden, bias4, dhidden = r(B * T, 4 * C), r(4 * C), r(B * T, 4 * C)
+    ln = LayerNorm("ln", C)
+    ParamStore(ln.parameters(), np.float32).initialize(0)
+    x, dx = r(B * T, C), r(B * T, C)
+    qkv, bias3 = r(B, T, 3 * C), r(3 * C)
+    attn = ParallelAttention("attn", C, H, Topology.serial(), out_std=0.02)
+    ParamStore(attn.parameters(), np.float32).initialize(0)
+    xa, dya = r(B, T, C), r(B, T, C)
+    return [
+        ("bias + GELU, forward and backward", lambda: sigmoid_gelu(hidden, bias4, dhidden),
+         lambda: tanh_gelu(hidden, bias4, dhidden)),
+        ("LayerNorm, forward and backward", lambda: layernorm_library(ln, x, dx),
+         lambda: layernorm_by_reductions(ln, x, dx)),
+        (f"attention layer, query tiles of {LIBRARY_TILE} vs T/2", lambda: attention_pass(attn, xa, dya, LIBRARY_TILE),
+         lambda: attention_pass(attn, xa, dya, T)),
+        ("q|k|v: add then copy vs one strided add (dropped)", lambda: split_heads_add_then_copy(qkv, bias3, (B, T, H, C // H)),
+         lambda: split_heads_fused(qkv, bias3, (B, T, H, C // H))),
+    ]
+
+
+def median_ms(times):
+    return 1e3 * float(np.median(times))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=30)
+    args = p.parse_args()
+    print("| shape | kernel | library ms | alternative ms | ratio |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for shape_name, shape in SHAPES.items():
+        for name, ours, theirs in cases(*shape):
+            ours(), theirs()                               # warm caches and the allocator
+            mine, other = [], []
+            for _ in range(args.reps):
+                for fn, times in ((ours, mine), (theirs, other)):
+                    start = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - start)
+            a, b = median_ms(mine), median_ms(other)
+            print(f"| {shape_name} | {name} | {a:.3f} | {b:.3f} | {a / b:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
