@@ -161,6 +161,7 @@ def test_a_matmul_curve_is_read_between_its_points_and_flat_beyond():
 
 def test_ranks_beyond_the_cores_share_them():
     from dataclasses import replace
+
     from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
     from numpitron.plan.devices import load_device
     from numpitron.plan.predict import plan, sync_points
@@ -190,8 +191,8 @@ def _calls_and_sync_points(layout):
 
 
 @pytest.mark.parallel(nprocs=2)
-@pytest.mark.parametrize("layout", [dict(tensor=2), dict(data=2), dict(pipeline=2), dict(pipeline=2, schedule="gpipe"),
-                                    dict(tensor=2, recompute="full")], ids=name)
+@pytest.mark.parametrize("layout", [{"tensor": 2}, {"data": 2}, {"pipeline": 2}, {"pipeline": 2, "schedule": "gpipe"},
+                                    {"tensor": 2, "recompute": "full"}], ids=name)
 def test_sync_points_are_the_blocking_calls_a_run_makes(layout):
     calls, planned = _calls_and_sync_points(layout)
     assert calls == planned, (calls, planned)

@@ -22,6 +22,7 @@ when, as at these sizes, kernels run for longer than a launch takes (a few us). 
 do they have a matmul curve: every matmul runs at the peak.
 """
 
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -59,7 +60,7 @@ class Device:
             return self.peak_flops
         if size <= curve[0][0]:
             return curve[0][1]
-        for (s0, f0), (s1, f1) in zip(curve, curve[1:]):
+        for (s0, f0), (s1, f1) in itertools.pairwise(curve):
             if size <= s1:
                 x = math.log(size / s0) / math.log(s1 / s0)
                 return f0 + x * (f1 - f0)

@@ -30,8 +30,8 @@ a peer takes to be scheduled (measured by benchmarks/calibrate.py).
 Each choice is an estimate, stated so that its error can be read off.
 """
 
-from numpitron.parallel.schedules import ideal_bubble
 from numpitron.distributed.sharding import pad_to_multiple
+from numpitron.parallel.schedules import ideal_bubble
 from numpitron.plan.accounting import Rank, comm_bytes, parameter_elements, peak_activation_bytes, state_bytes
 from numpitron.plan.flops import hardware_flops, model_flops
 from numpitron.plan.kernels import Work, block_work, embedding_work, head_work, optimizer_work
