@@ -1,7 +1,8 @@
 """The planner's predicted step time against the measured one on this machine.
 
-    python benchmarks/calibrate.py          # once (mpiexec -n 2 for the MPI figures)
+    mpiexec -n 2 python benchmarks/calibrate.py          # once
     python benchmarks/plan_vs_measured.py
+    python benchmarks/plan_vs_measured.py --calibrate   # calibrate afresh at every round
 
 For each layout: `benchmarks/benchmark.py` (median ms per iteration, one rank per
 core, more ranks oversubscribe the cores) and `python -m numpitron.plan` with the
@@ -9,7 +10,10 @@ same flags and --device this-machine. Prints a Markdown table.
 
 This machine's speed drifts by tens of percent from one minute to the next, so each
 round runs every layout once, in turn, and the table gives the median over rounds
-(--rounds), with the spread of the measured times beside it.
+(--rounds), with the spread of the measured times beside it. With --calibrate each
+round first measures the machine again (benchmarks/calibrate.py, which rewrites the
+profile) and predicts from that, so that prediction and measurement see the machine
+in the same state; the predicted column is then a median over rounds too.
 """
 
 import argparse
@@ -44,18 +48,23 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--calibrate", action="store_true", help="run benchmarks/calibrate.py at the start of every round")
     args = p.parse_args()
-    times = {i: [] for i in range(len(LAYOUTS))}
+    times, predicted = ({i: [] for i in range(len(LAYOUTS))} for _ in range(2))
     for _ in range(args.rounds):
+        if args.calibrate:
+            subprocess.run([str(BIN / "mpiexec"), "-n", "2", str(BIN / "python"), "benchmarks/calibrate.py"],
+                           capture_output=True, check=True, cwd=REPO)
         for i, (ranks, flags) in enumerate(LAYOUTS):
             times[i].append(measure(ranks, flags, args.iters))
+            predicted[i].append(predict(ranks, flags))
     print(f"medians of {args.rounds} rounds x {args.iters} iterations")
     print("| ranks | flags | measured ms (min-max) | predicted ms | predicted / measured |")
     print("| ---: | --- | ---: | ---: | ---: |")
     for i, (ranks, flags) in enumerate(LAYOUTS):
-        measured, predicted = statistics.median(times[i]), predict(ranks, flags)
+        measured, planned = statistics.median(times[i]), statistics.median(predicted[i])
         print(f"| {ranks} | {' '.join(flags) or '(one process)'} | {measured:.1f} ({min(times[i]):.0f}-"
-              f"{max(times[i]):.0f}) | {predicted:.1f} | {predicted / measured:.2f} |", flush=True)
+              f"{max(times[i]):.0f}) | {planned:.1f} | {planned / measured:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

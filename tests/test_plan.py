@@ -97,3 +97,102 @@ def test_search_ranks_layouts_and_says_why_the_others_fail():
     speeds = [r["tokens_per_s"] for r in result["fits"]]
     assert speeds == sorted(speeds, reverse=True) and len(speeds) > 3
     assert any("n_heads (4) must be divisible by the tensor-parallel size (8)" in why for _, why in result["rejected"])
+
+
+# The time model's counts (numpitron/plan/kernels.py, predict.py): what they claim about
+# the code is checked here; how long the code takes is benchmarks/plan_vs_measured.py's.
+
+@pytest.mark.parametrize("T, cp", [(16, 1), (64, 1), (128, 1), (16, 2), (64, 2), (32, 4)])
+def test_softmax_groups_cover_the_probabilities_the_layer_keeps(T, cp):
+    from numpitron.nn.activation_memory import attention_area
+    from numpitron.plan.kernels import attention_groups
+    groups = attention_groups(T, cp, 0)
+    assert sum(rows * keys for rows, keys, *_ in groups) == attention_area(T, cp)
+    assert sum(first for *_, first in groups) == -(-T // 2 // min(T // 2, 64)) * 2     # each tile starts once
+
+
+def _count_exponentials(monkeypatch):
+    """Elements np.exp and np.tanh are asked for (GELU takes one of them per element)."""
+    import numpy as np
+    counted = {"elements": 0}
+    for name in ("exp", "tanh"):
+        original = getattr(np, name)
+
+        def counting(x, *args, _original=original, **kwargs):
+            counted["elements"] += np.asarray(x).size
+            return _original(x, *args, **kwargs)
+        monkeypatch.setattr(np, name, counting)
+    return counted
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_exponentials_in_one_step_are_the_ones_the_planner_counts(monkeypatch, recompute):
+    from numpitron.plan.predict import microbatch_work
+    trainer = make_trainer(tiny_model(), tiny_train(), recompute=recompute)
+    trainer.train_step(tiny_tokens())
+    counted = _count_exponentials(monkeypatch)
+    trainer.train_step(tiny_tokens())
+    m = trainer.train_cfg.num_microbatches(1)
+    planned = microbatch_work(trainer.model_cfg, trainer.parallel_cfg, trainer.train_cfg, Rank(1, 1, 1, 1)).exps
+    assert counted["elements"] == m * planned
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_the_planner_counts_the_papers_matmul_flops_but_the_scores_it_skips(recompute):
+    """Narayanan et al.'s count charges every query all T keys; the layer computes
+    attention_area of them, and adds the embedding's one-hot matmul."""
+    from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
+    from numpitron.nn.activation_memory import attention_area
+    from numpitron.plan.flops import hardware_flops
+    from numpitron.plan.predict import microbatch_work
+    model, train = ModelConfig(), TrainConfig(micro_batch_size=12)
+    B, T, L, C, V = 12, model.seq_len, model.n_layers, model.d_model, model.vocab_size
+    planned = microbatch_work(model, ParallelConfig(recompute=recompute), train, Rank(1, 1, 1, 1)).flops
+    skipped = (16 if recompute == "full" else 12) * B * C * L * (T * T - attention_area(T))
+    assert planned == pytest.approx(hardware_flops(B, T, L, C, V, recompute) - skipped + 2 * V * B * T * C, rel=1e-12)
+
+
+def test_a_matmul_curve_is_read_between_its_points_and_flat_beyond():
+    from numpitron.plan.devices import PAPER, Device
+    device = Device("cpu", 30.0, 1.0, 1.0, 1, 0, 1, 0, 1, matmul_curve=((1e3, 10.0), (1e5, 30.0)))
+    assert [device.matmul_flops(s) for s in (10, 1e3, 1e4, 1e5, 1e9)] == pytest.approx([10, 10, 20, 30, 30])
+    assert PAPER["a100-80gb-node"].matmul_flops(10) == 312e12                 # no curve: the peak
+
+
+def test_ranks_beyond_the_cores_share_them():
+    from dataclasses import replace
+
+    from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
+    from numpitron.plan.devices import load_device
+    from numpitron.plan.predict import plan, sync_points
+    model, parallel, train = ModelConfig(), ParallelConfig(), TrainConfig(micro_batch_size=12)
+    cpu = replace(load_device("this-machine"), cores_per_node=2, time_sharing_wait=0.0)
+    mesh = (2, 1, 2, 1)
+    shared, alone = plan(model, parallel, train, mesh, cpu), plan(model, parallel, train, mesh, replace(cpu, cores_per_node=4))
+    assert shared["time_sharing"] == 2 and alone["time_sharing"] == 1
+    assert shared["step_s"] == pytest.approx(2 * alone["step_s"])
+    waiting = plan(model, parallel, train, mesh, replace(cpu, time_sharing_wait=1e-3))
+    per_mb, per_step = sync_points(model, parallel, Rank(2, 1, 2, 1))
+    assert (per_mb, per_step) == (4 * 4 + 1 + 4, 3)
+    assert waiting["step_s"] == pytest.approx(shared["step_s"] + (per_mb * 1 + per_step) * 1e-3)
+
+
+def _calls_and_sync_points(layout):
+    from numpitron.plan.predict import sync_points
+    trainer = make_trainer(tiny_model(), tiny_train(), **layout)
+    topo = trainer.topo
+    trainer.train_step(tiny_tokens())
+    topo.stats.reset()
+    trainer.train_step(tiny_tokens())
+    rank = Rank(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank)
+    per_mb, per_step = sync_points(trainer.model_cfg, trainer.parallel_cfg, rank)
+    calls = sum(v["calls"] for v in topo.stats.snapshot().values())
+    return calls, trainer.num_microbatches * per_mb + per_step
+
+
+@pytest.mark.parallel(nprocs=2)
+@pytest.mark.parametrize("layout", [{"tensor": 2}, {"data": 2}, {"pipeline": 2}, {"pipeline": 2, "schedule": "gpipe"},
+                                    {"tensor": 2, "recompute": "full"}], ids=name)
+def test_sync_points_are_the_blocking_calls_a_run_makes(layout):
+    calls, planned = _calls_and_sync_points(layout)
+    assert calls == planned, (calls, planned)

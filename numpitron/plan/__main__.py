@@ -73,7 +73,8 @@ def report(result: dict) -> str:
              f"model FLOPs per iteration {result['model_flops_per_iteration']:.3e} "
              f"(executed {result['hardware_flops_per_iteration']:.3e})",
              f"predicted step {1e3 * result['step_s']:.1f} ms, {result['tokens_per_s']:,.0f} tokens/s, "
-             f"MFU {result['mfu']:.1%}, fits: {result['fits']}"]
+             f"MFU {result['mfu']:.1%}, fits: {result['fits']}"
+             + (f" ({result['time_sharing']:g} ranks per core)" if result["time_sharing"] > 1 else "")]
     for s in result["stages"]:
         t = s["time_s"]
         lines.append(f"  stage {s['stage']}: params {s['params'] / 2**20:.1f} MiB, grads {s['grads'] / 2**20:.1f} MiB, "
@@ -82,7 +83,9 @@ def report(result: dict) -> str:
                      f"activations {s['activations_peak'] / 2**20:.1f} MiB (peak total {s['total_peak'] / 2**20:.1f} MiB)")
         lines.append("    bytes per iteration: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in s["comm_bytes"].items()))
         lines.append(f"    time: matmul {1e3 * t['matmul']:.1f} ms, element-wise {1e3 * t['elementwise']:.1f} ms, "
-                     f"exposed communication {1e3 * t['exposed_comm']:.2f} ms, optimizer {1e3 * t['optimizer']:.2f} ms")
+                     f"exp {1e3 * t['exp']:.1f} ms, calls {1e3 * t['calls']:.1f} ms, "
+                     f"exposed communication {1e3 * t['exposed_comm']:.2f} ms, optimizer {1e3 * t['optimizer']:.2f} ms, "
+                     f"bubble {1e3 * t['bubble']:.1f} ms")
     return "\n".join(lines)
 
 

@@ -12,9 +12,19 @@ specifications:
   NVLink 4, 900 GB/s per GPU (450 each way); DGX H100: 8 GPUs, 8 NDR links of
   400 Gb/s, 50 GB/s per GPU.
 Latencies are typical orders (a few microseconds in a node, ~10 us across).
+
+The GPUs' exponentials are folded into their element-wise bandwidth (exp_time 0): the
+CUDA C++ Programming Guide's throughput table gives 16 base-2 exponentials per clock
+per SM on compute capability 8.0 and 9.0, 2.4e12/s on an A100 (108 SMs at 1.41 GHz) and
+4.2e12/s on an H100 (132 at 1.98), several times the elements/s HBM delivers. Their call
+cost is 0 too: kernel launches are asynchronous and hide behind the previous kernel
+when, as at these sizes, kernels run for longer than a launch takes (a few us). Nor
+do they have a matmul curve: every matmul runs at the peak.
 """
 
+import itertools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +45,31 @@ class Device:
     inter_latency: float
     inter_bandwidth: float     # bytes/s one device sends to another node
     bytes_per_parameter: int = 0   # 0: the dtype's size (x4: params, grads, m, v); 16: mixed-precision Adam
+    # Measured on CPUs only (benchmarks/calibrate.py); the defaults are the GPUs'.
+    matmul_curve: tuple = ()       # ((FLOPs of one call, FLOP/s), ...): BLAS by the size of a call
+    exp_time: float = 0.0          # seconds per element of np.exp
+    call_time: float = 0.0         # seconds per NumPy call (the interpreter's fixed cost)
+    cores_per_node: int = 0        # > 0: ranks are processes sharing this many cores of one node
+    time_sharing_wait: float = 0.0  # seconds a blocking collective adds when ranks outnumber cores
+
+    def matmul_flops(self, size: float) -> float:
+        """FLOP/s of a matmul call of `size` FLOPs: the curve, interpolated linearly in
+        log(size) and flat beyond its ends; the peak without one."""
+        curve = sorted(self.matmul_curve)
+        if not curve:
+            return self.peak_flops
+        if size <= curve[0][0]:
+            return curve[0][1]
+        for (s0, f0), (s1, f1) in itertools.pairwise(curve):
+            if size <= s1:
+                x = math.log(size / s0) / math.log(s1 / s0)
+                return f0 + x * (f1 - f0)
+        return curve[-1][1]
+
+    def time_sharing(self, world: int) -> float:
+        """How many ranks share each core: a CPU node holds every rank, and with more
+        ranks than cores each gets a fraction of one. GPUs: 1."""
+        return max(1.0, world / self.cores_per_node) if self.cores_per_node else 1.0
 
 
 PAPER = {
@@ -51,6 +86,8 @@ def load_device(name: str) -> Device:
         known = ", ".join(sorted(PAPER) + sorted(p.stem for p in PROFILES_DIR.glob("*.json")))
         raise UserError(f"unknown device {name!r}; choose one of {known} (benchmarks/calibrate.py writes this-machine)")
     try:
-        return Device(**json.loads(path.read_text()))
+        fields = json.loads(path.read_text())
+        fields["matmul_curve"] = tuple(tuple(point) for point in fields.get("matmul_curve", ()))
+        return Device(**fields)
     except (ValueError, TypeError) as error:
         raise UserError(f"unreadable device profile {path}: {error}") from None

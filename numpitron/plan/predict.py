@@ -1,27 +1,40 @@
 """A predicted step time from a simple, stated model, and the plan of one layout.
 
-* Matmuls: the rank's share of the hardware FLOPs (flops.py) at the device's peak.
-* Element-wise work (LayerNorm, GELU, softmax, residuals, the loss): ELEMENTWISE_PASSES
-  reads or writes of every activation byte a micro-batch keeps, at the bandwidth
-  element-wise kernels reach; and AdamW, ADAM_PASSES passes over parameters, gradients
-  and both moments.
-* Collectives: for each kind, its bytes at the link's bandwidth plus a latency per
-  call (tp and cp inside a node when their groups fit in one, the rest across
-  nodes). Tensor- and context-parallel traffic is exposed; the data-parallel
-  reduction is hidden behind the backward but for its last bucket.
-* Pipelines: m micro-batches' stage time stretched by the schedule's bubble b, m t / (1 - b):
-  (m + p - 1) t for GPipe and 1F1B; b from the unit-cost timeline of the schedule
-  (parallel/schedules.py: interleaved and zero-bubble shrink it).
+Compute is what kernels.py counts this library's NumPy code executing on a rank, one
+micro-batch at a time, priced by the device profile (devices.py):
+
+* matmuls: each one's FLOPs at the rate BLAS reaches on calls of its size (the
+  profile's matmul curve; the peak on a GPU);
+* element-wise passes: 3 x itemsize bytes per element (two operands in, one out) at
+  the bandwidth element-wise kernels reach on activation-sized arrays;
+* exponentials: exp_time per element (arithmetic-bound on a CPU, 0 on a GPU);
+* calls: call_time per NumPy call (0 on a GPU, whose launches are asynchronous);
+* AdamW: its passes over the elements the rank updates, and the norm, clipping and
+  zeroing over its gradient buffer, priced the same way.
+
+Collectives: for each kind, its bytes at the link's bandwidth plus a latency (tp and cp
+inside a node when their groups fit in one, the rest across nodes; a CPU node holds
+every rank). Tensor-, context- and pipeline-parallel traffic is exposed; the
+data-parallel reduction is hidden behind the backward but for its last bucket.
+
+Pipelines: m micro-batches' stage time stretched by the schedule's bubble b, m t / (1 - b):
+(m + p - 1) t for GPipe and 1F1B; b from the unit-cost timeline of the schedule
+(parallel/schedules.py: interleaved and zero-bubble shrink it).
+
+Time-sharing: with more ranks than a CPU node has cores, each rank gets cores / ranks
+of a core, so compute and the exposed communication (a rank waiting in MPI holds its
+core, or waits for a peer that is not running) take ranks / cores times as long; and
+each blocking collective (sync_points) adds the profile's time_sharing_wait, the time
+a peer takes to be scheduled (measured by benchmarks/calibrate.py).
+
 Each choice is an estimate, stated so that its error can be read off.
 """
 
+from numpitron.distributed.sharding import pad_to_multiple
 from numpitron.parallel.schedules import ideal_bubble
-from numpitron.plan.accounting import (Rank, activation_bytes_per_microbatch, comm_bytes,
-                                       peak_activation_bytes, state_bytes)
+from numpitron.plan.accounting import Rank, comm_bytes, parameter_elements, peak_activation_bytes, state_bytes
 from numpitron.plan.flops import hardware_flops, model_flops
-
-ELEMENTWISE_PASSES = 8
-ADAM_PASSES = 4
+from numpitron.plan.kernels import Work, block_work, embedding_work, head_work, optimizer_work
 
 
 def plan(model, parallel, train, mesh, device) -> dict:
@@ -31,10 +44,11 @@ def plan(model, parallel, train, mesh, device) -> dict:
     global_batch = train.global_batch(dp)
     devices = tp * pp * dp * cp
     args = (global_batch, model.seq_len, model.n_layers, model.d_model, model.vocab_size)
-    work = hardware_flops(*args, parallel.recompute) / devices
     # A mixed-precision device keeps activations and moves them in 16 bits: scale this
     # library's float32 accounting to it.
     scale = 0.5 if device.bytes_per_parameter else 1.0
+    itemsize = scale * (8 if model.dtype == "float64" else 4)
+    share = device.time_sharing(devices)
     bubble = ideal_bubble(parallel.schedule, pp, m, parallel.virtual_stages)
     stages = []
     for stage in range(pp):
@@ -48,29 +62,82 @@ def plan(model, parallel, train, mesh, device) -> dict:
                      "optimizer_state": (device.bytes_per_parameter - 4) * params // (dp * cp if parallel.zero_stage else 1)}
         activations = scale * peak_activation_bytes(model, parallel, train, rank)
         comm = {kind: scale * nbytes for kind, nbytes in comm_bytes(model, parallel, train, rank).items()}
-        per_mb = work / m
-        t_matmul = per_mb / device.peak_flops
-        t_elementwise = ELEMENTWISE_PASSES * scale * activation_bytes_per_microbatch(model, parallel, train, rank) \
-            / device.memory_bandwidth
+        per_mb = price(microbatch_work(model, parallel, train, rank), device, itemsize)
         t_comm = {kind: _link_time(kind, nbytes, mesh, device) for kind, nbytes in comm.items()}
         exposed_per_mb = sum(t for kind, t in t_comm.items() if kind.split(".")[0] in ("tp", "cp", "pp")) / m
-        t_adam = ADAM_PASSES * (state["params"] + state["grads"] + state["optimizer_state"]) / device.memory_bandwidth
+        t_adam = sum(price(step_work(model, parallel, rank), device, itemsize).values())
         dp_time = sum(t for kind, t in t_comm.items() if kind.startswith("dp_cp."))
         buckets = max(1, -(-state["grads"] // (parallel.bucket_size * 4)))
         exposed_dp = dp_time if parallel.zero_stage in (1, 3) or not parallel.overlap_grad_reduce else dp_time / buckets
-        step = m * (t_matmul + t_elementwise + exposed_per_mb) / (1 - bubble) + t_adam + exposed_dp
+        if share > 1:                      # each blocking collective waits for a peer to be scheduled
+            per_mb_syncs, step_syncs = sync_points(model, parallel, rank)
+            exposed_per_mb += per_mb_syncs * device.time_sharing_wait / share
+            exposed_dp += step_syncs * device.time_sharing_wait / share
+        compute_per_mb = sum(per_mb.values())
+        step = share * (m * (compute_per_mb + exposed_per_mb) / (1 - bubble) + t_adam + exposed_dp)
         stages.append({"stage": stage, **state, "activations_peak": activations,
                        "total_peak": sum(state.values()) + activations, "comm_bytes": comm,
-                       "time_s": {"matmul": m * t_matmul, "elementwise": m * t_elementwise,
-                                  "exposed_comm": m * exposed_per_mb + exposed_dp, "optimizer": t_adam,
-                                  "step": step}})
+                       "time_s": {**{kind: share * m * t for kind, t in per_mb.items()},
+                                  "exposed_comm": share * (m * exposed_per_mb + exposed_dp),
+                                  "optimizer": share * t_adam, "bubble": share * m * (compute_per_mb + exposed_per_mb)
+                                  * bubble / (1 - bubble), "step": step}})
     step = max(s["time_s"]["step"] for s in stages)
     flops = model_flops(*args)
     return {"mesh": {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "devices": devices}, "microbatches": m,
             "model_flops_per_iteration": flops, "hardware_flops_per_iteration": hardware_flops(*args, parallel.recompute),
-            "bubble": bubble, "step_s": step, "tokens_per_s": global_batch * model.seq_len / step,
+            "bubble": bubble, "time_sharing": share, "step_s": step, "tokens_per_s": global_batch * model.seq_len / step,
             "mfu": flops / (step * device.peak_flops * devices), "stages": stages,
             "fits": all(s["total_peak"] <= device.memory_bytes for s in stages)}
+
+
+def microbatch_work(model, parallel, train, rank: Rank) -> Work:
+    """What one micro-batch costs this rank: its blocks, and the embedding or the head
+    when its stage has them (all its virtual chunks together)."""
+    B, T, C = train.micro_batch_size, model.seq_len // rank.cp, model.d_model
+    vocab = pad_to_multiple(model.vocab_size, rank.tp) // rank.tp
+    work = block_work(B, T, C, model.n_heads, rank.tp, rank.cp, parallel.sequence_parallel,
+                      parallel.recompute).scaled(model.n_layers // rank.pp)
+    if rank.first:
+        work += embedding_work(B, T, C, vocab)
+    if rank.last:
+        work += head_work(B, T, C, vocab, rank.tp, parallel.sequence_parallel)
+    return work
+
+
+def step_work(model, parallel, rank: Rank) -> Work:
+    """The optimizer step: AdamW over this rank's elements (its 1/(dp cp) slice under
+    ZeRO), the gradient norm, clipping and zeroing over its gradient buffer."""
+    size, group = parameter_elements(model, rank)[0], rank.dp * rank.cp
+    updated = size if parallel.zero_stage == 0 else -(-size // group)
+    return optimizer_work(updated, size if parallel.zero_stage < 2 else updated)
+
+
+def sync_points(model, parallel, rank: Rank) -> tuple[int, int]:
+    """Blocking collectives a rank waits in: (per micro-batch, per step). Per micro-batch:
+    tensor parallelism's f and g (four a block, six under full recomputation, one for
+    the embedding, one for the head and three for the loss; a gather and a
+    reduce-scatter each with sequence parallelism, counted as one); the context-parallel
+    ring's waits (cp - 1 forward, 2 cp - 1 backward, a block); a pipeline's receive and
+    send each way. Per step: the data-parallel reduction and the loss, the norm, and a
+    pipeline's loss broadcast and tied-embedding all-reduce."""
+    L, full = model.n_layers // rank.pp, parallel.recompute == "full"
+    per_mb = 0
+    if rank.tp > 1:
+        per_mb += L * (4 + 2 * full) + rank.first + 4 * rank.last
+    if rank.cp > 1:
+        per_mb += L * ((rank.cp - 1) * (1 + full) + 2 * rank.cp - 1)
+    if rank.pp > 1:
+        per_mb += 2 * (2 - rank.first - rank.last) * parallel.virtual_stages
+    per_step = (2 if rank.dp * rank.cp > 1 else 0) + (1 if rank.tp * rank.pp > 1 or parallel.zero_stage else 0) \
+        + (2 if rank.pp > 1 and (rank.first or rank.last) else 1 if rank.pp > 1 else 0)   # the loss; the tied embedding
+    return per_mb, per_step
+
+
+def price(work: Work, device, itemsize: float) -> dict:
+    """Seconds of each kind of work on one rank with a core (or a GPU) to itself."""
+    return {"matmul": sum(flops / device.matmul_flops(size) for size, flops in work.matmul.items()),
+            "elementwise": 3 * itemsize * work.passes / device.memory_bandwidth,
+            "exp": work.exps * device.exp_time, "calls": work.calls * device.call_time}
 
 
 def _link_time(kind: str, nbytes: float, mesh, device) -> float:
@@ -78,7 +145,7 @@ def _link_time(kind: str, nbytes: float, mesh, device) -> float:
     group = kind.split(".")[0]
     span = {"tp": tp, "cp": tp * cp, "dp_cp": tp * cp * dp, "pp": tp * cp * dp * pp,
             "embedding": tp * cp * dp * pp, "model": tp * cp * dp * pp, "world": tp * cp * dp * pp}[group]
-    inside = span <= device.devices_per_node
+    inside = span <= device.devices_per_node or device.cores_per_node > 0      # a CPU node holds every rank
     latency = device.intra_latency if inside else device.inter_latency
     bandwidth = device.intra_bandwidth if inside else device.inter_bandwidth
     return latency + nbytes / bandwidth
