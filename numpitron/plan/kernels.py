@@ -21,6 +21,9 @@ and the softmax groups against the probabilities the layer keeps.
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from numpitron.nn.blockwise_attention import query_tiles, visible_keys
+from numpitron.nn.functional import TILE_ELEMENTS as GELU_TILE      # elements per tile, each its own calls
+from numpitron.optim.adamw import CHUNK as ADAMW_CHUNK              # elements per chunk, each its own calls
 from numpitron.parallel.context import zigzag_chunks
 
 # (forward, backward) element-wise passes of each piece, over the array it works on.
@@ -38,9 +41,6 @@ PASSES = {
 EXP_PER_ELEMENT = {"gelu": 1, "softmax": 1, "loss": 1}      # np.exp per hidden unit, score, logit
 # NumPy calls on per-row or per-parameter vectors, besides the passes above.
 SMALL_CALLS = {"layernorm": (5, 2), "softmax_group": (4, 3), "merge": 4, "block": 12, "head": 6, "embedding": 6}
-GELU_TILE = 1 << 16              # nn/functional.py: elements per tile, each tile its own calls
-QUERY_TILE = 64                  # nn/blockwise_attention.py: query rows per softmax group at most
-ADAMW_CHUNK = 1 << 15            # optim/adamw.py: elements per chunk, each chunk its own calls
 
 
 @dataclass
@@ -112,27 +112,22 @@ def _gelu(w, elements, forward, backward):
 
 def attention_groups(T: int, cp: int, cp_rank: int | None = None) -> list:
     """(query rows, key rows, masked, first of its queries) of every softmax group a rank
-    computes over a whole ring (nn/attention.py): its two zigzag chunks of T/2
-    (parallel/context.py) cut into tiles of QUERY_TILE rows, each against the prefix of
-    every block it can see. The busiest rank (the last) unless told. Their scores add up
-    to the probabilities the layer keeps (activation_memory; tests/test_plan.py)."""
+    computes over a whole ring, walked with the layer's own tiles (nn/attention.py,
+    nn/blockwise_attention.py): its two zigzag chunks of T/2 cut into query tiles, each
+    against the visible prefix of every block. The busiest rank (the last) unless told.
+    Their scores add up to the probabilities the layer keeps (activation_memory;
+    tests/test_plan.py)."""
     rank = cp - 1 if cp_rank is None else cp_rank
-    tiles = [(c.position + i, min(QUERY_TILE, c.stop - c.start - i))
-             for c in zigzag_chunks(T, cp, rank) for i in range(0, c.stop - c.start, QUERY_TILE)]
     groups, seen = [], set()
     for step in range(cp):
         blocks = zigzag_chunks(T, cp, (rank - step) % cp)
-        for first_position, rows in tiles:
-            last = first_position + rows - 1
-            keys = [min(b.stop - b.start, last - b.position + 1) for b in blocks]
-            visible = [k for k in keys if k > 0]
+        for tile in query_tiles(zigzag_chunks(T, cp, rank)):
+            visible = visible_keys(tile, blocks)
             if not visible:
                 continue
-            masked = any(b.position + k - 1 > first_position for b, k in zip(blocks, keys) if k > 0)
-            # The visible keys are a prefix of the block's rows: up to the last one seen.
-            prefix = max(b.start + k for b, k in zip(blocks, keys) if k > 0)
-            groups.append((rows, prefix, masked, first_position not in seen))
-            seen.add(first_position)
+            masked = visible[-1].last_position > tile.position      # a key after the tile's first query
+            groups.append((tile.stop - tile.start, visible[-1].stop, masked, tile not in seen))
+            seen.add(tile)
     return groups
 
 
