@@ -22,6 +22,9 @@ contention the ranks train under), medians of repeated runs:
   launches twice as many ranks as cores (--time-sharing), in pairs that compute
   matmuls and all-reduce 384 KiB (an activation of the default model), and times that
   loop against the matmuls alone;
+* the slowest rank: every rank repeats the same few milliseconds of work between
+  barriers; the slowest rank's median time over a rank's own median (slowest_rank),
+  the pace at which ranks that wait for each other go;
 
 and between two ranks the latency (an 8-byte all-reduce) and bandwidth (a 16 MiB
 send) of MPI. Each figure is the median of five rounds taken in turn.
@@ -119,6 +122,32 @@ def time_sharing_wait(world) -> float:
     return max(0.0, float(np.median(world.allgather((synced - alone) / reps))))
 
 
+def slowest_rank(world) -> float:
+    """A synchronous step goes at the pace of its slowest rank. Every rank repeats the
+    same few milliseconds of work (the default model's MLP up-projection and a GELU's
+    worth of passes) between barriers, 400 times (a few seconds); the figure is the median
+    over repetitions of the slowest rank's time, over the median of each rank's own."""
+    rng = np.random.default_rng(4)
+    x, w = rng.standard_normal((768, 128)).astype(np.float32), rng.standard_normal((128, 512)).astype(np.float32)
+    h = np.empty((768, 512), np.float32)
+
+    def work():
+        for _ in range(4):
+            np.matmul(x, w, out=h)
+            for _ in range(8):
+                np.multiply(h, 0.5, out=h)
+    own = []
+    for _ in range(400):
+        world.Barrier()
+        start = time.perf_counter()
+        work()
+        own.append(time.perf_counter() - start)
+    slowest = np.array(own)
+    world.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
+    ratio = float(np.median(slowest) / np.median(own))
+    return float(np.median(world.allgather(ratio)))
+
+
 def launch_time_sharing(cores: int) -> float:
     """This script on 2 x cores ranks (a fresh launch: the variables of ours removed)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPI_LOCAL", "OMPI_", "PMIX_"))}
@@ -146,6 +175,7 @@ def main():
     curve = [(2 * s ** 3, float(np.median([r[0][i] for r in rounds]))) for i, s in enumerate(SIDES)]
     per_pass, exp = (float(np.median([r[i] for r in rounds])) for i in (1, 2))
     call = call_time(world)
+    pace = slowest_rank(world) if world.Get_size() >= 2 else 1.0
     latency = bw = None
     if world.Get_size() >= 2:
         tiny = np.zeros(1)
@@ -178,7 +208,7 @@ def main():
                "intra_latency": latency or 4e-6, "intra_bandwidth": bw or 6e9,
                "inter_latency": latency or 4e-6, "inter_bandwidth": bw or 6e9, "bytes_per_parameter": 0,
                "matmul_curve": curve, "exp_time": median("exp"), "call_time": median("call"),
-               "cores_per_node": cores, "time_sharing_wait": launch_time_sharing(cores)}
+               "cores_per_node": cores, "time_sharing_wait": launch_time_sharing(cores), "slowest_rank": pace}
     PROFILES_DIR.mkdir(exist_ok=True)
     (PROFILES_DIR / "this-machine.json").write_text(json.dumps(profile, indent=1) + "\n")
     print(json.dumps(profile))

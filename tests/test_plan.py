@@ -177,6 +177,23 @@ def test_ranks_beyond_the_cores_share_them():
     assert waiting["step_s"] == pytest.approx(shared["step_s"] + (per_mb * 1 + per_step) * 1e-3)
 
 
+def test_ranks_that_wait_for_each_other_go_at_the_slowest_ones_pace():
+    from dataclasses import replace
+
+    from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
+    from numpitron.plan.devices import PAPER, load_device
+    from numpitron.plan.predict import plan
+    model, parallel, train = ModelConfig(), ParallelConfig(), TrainConfig(micro_batch_size=12)
+    steady = replace(load_device("this-machine"), slowest_rank=1.0, time_sharing_wait=0.0)
+    noisy = replace(steady, slowest_rank=1.25)
+    for mesh in ((1, 1, 2, 1), (2, 1, 1, 1), (2, 1, 2, 1)):
+        assert plan(model, parallel, train, mesh, noisy)["step_s"] == pytest.approx(
+            1.25 * plan(model, parallel, train, mesh, steady)["step_s"])
+    one = (1, 1, 1, 1)                                  # one rank waits for no one
+    assert plan(model, parallel, train, one, noisy)["step_s"] == plan(model, parallel, train, one, steady)["step_s"]
+    assert PAPER["a100-80gb-node"].pace(8) == 1.0
+
+
 def _calls_and_sync_points(layout):
     from numpitron.plan.predict import sync_points
     trainer = make_trainer(tiny_model(), tiny_train(), **layout)

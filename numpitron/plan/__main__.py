@@ -74,7 +74,8 @@ def report(result: dict) -> str:
              f"(executed {result['hardware_flops_per_iteration']:.3e})",
              f"predicted step {1e3 * result['step_s']:.1f} ms, {result['tokens_per_s']:,.0f} tokens/s, "
              f"MFU {result['mfu']:.1%}, fits: {result['fits']}"
-             + (f" ({result['time_sharing']:g} ranks per core)" if result["time_sharing"] > 1 else "")]
+             + (f" ({result['time_sharing']:g} ranks per core)" if result["time_sharing"] > 1 else "")
+             + (f", at the slowest rank's pace x{result['pace']:.2f}" if result["pace"] != 1 else "")]
     for s in result["stages"]:
         t = s["time_s"]
         lines.append(f"  stage {s['stage']}: params {s['params'] / 2**20:.1f} MiB, grads {s['grads'] / 2**20:.1f} MiB, "

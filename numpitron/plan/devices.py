@@ -51,6 +51,8 @@ class Device:
     call_time: float = 0.0         # seconds per NumPy call (the interpreter's fixed cost)
     cores_per_node: int = 0        # > 0: ranks are processes sharing this many cores of one node
     time_sharing_wait: float = 0.0  # seconds a blocking collective adds when ranks outnumber cores
+    slowest_rank: float = 1.0      # a synchronous step's pace on a busy node: the slowest rank's time
+    #                                over a rank's own (1: a GPU, or a core no one else disturbs)
 
     def matmul_flops(self, size: float) -> float:
         """FLOP/s of a matmul call of `size` FLOPs: the curve, interpolated linearly in
@@ -65,6 +67,12 @@ class Device:
                 x = math.log(size / s0) / math.log(s1 / s0)
                 return f0 + x * (f1 - f0)
         return curve[-1][1]
+
+    def pace(self, world: int) -> float:
+        """How much longer a step of `world` ranks that wait for each other takes than
+        one rank's own work: ranks that lose time at random moments (another job, the
+        hypervisor) each make the others wait. One rank waits for no one."""
+        return self.slowest_rank if world > 1 else 1.0
 
     def time_sharing(self, world: int) -> float:
         """How many ranks share each core: a CPU node holds every rank, and with more

@@ -27,6 +27,11 @@ core, or waits for a peer that is not running) take ranks / cores times as long;
 each blocking collective (sync_points) adds the profile's time_sharing_wait, the time
 a peer takes to be scheduled (measured by benchmarks/calibrate.py).
 
+The slowest rank: ranks that wait for each other go at the pace of whichever lost
+most time, so a step of more than one rank is stretched by the profile's slowest_rank
+(the slowest of the node's ranks over a rank's own time on the same work, calibrated;
+1 on GPUs).
+
 Each choice is an estimate, stated so that its error can be read off.
 """
 
@@ -49,6 +54,7 @@ def plan(model, parallel, train, mesh, device) -> dict:
     scale = 0.5 if device.bytes_per_parameter else 1.0
     itemsize = scale * (8 if model.dtype == "float64" else 4)
     share = device.time_sharing(devices)
+    stretch = share * device.pace(devices)       # time-sharing, and the pace of the slowest rank
     bubble = ideal_bubble(parallel.schedule, pp, m, parallel.virtual_stages)
     stages = []
     for stage in range(pp):
@@ -71,21 +77,21 @@ def plan(model, parallel, train, mesh, device) -> dict:
         exposed_dp = dp_time if parallel.zero_stage in (1, 3) or not parallel.overlap_grad_reduce else dp_time / buckets
         if share > 1:                      # each blocking collective waits for a peer to be scheduled
             per_mb_syncs, step_syncs = sync_points(model, parallel, rank)
-            exposed_per_mb += per_mb_syncs * device.time_sharing_wait / share
-            exposed_dp += step_syncs * device.time_sharing_wait / share
+            exposed_per_mb += per_mb_syncs * device.time_sharing_wait / stretch
+            exposed_dp += step_syncs * device.time_sharing_wait / stretch
         compute_per_mb = sum(per_mb.values())
-        step = share * (m * (compute_per_mb + exposed_per_mb) / (1 - bubble) + t_adam + exposed_dp)
+        step = stretch * (m * (compute_per_mb + exposed_per_mb) / (1 - bubble) + t_adam + exposed_dp)
         stages.append({"stage": stage, **state, "activations_peak": activations,
                        "total_peak": sum(state.values()) + activations, "comm_bytes": comm,
-                       "time_s": {**{kind: share * m * t for kind, t in per_mb.items()},
-                                  "exposed_comm": share * (m * exposed_per_mb + exposed_dp),
-                                  "optimizer": share * t_adam, "bubble": share * m * (compute_per_mb + exposed_per_mb)
+                       "time_s": {**{kind: stretch * m * t for kind, t in per_mb.items()},
+                                  "exposed_comm": stretch * (m * exposed_per_mb + exposed_dp),
+                                  "optimizer": stretch * t_adam, "bubble": stretch * m * (compute_per_mb + exposed_per_mb)
                                   * bubble / (1 - bubble), "step": step}})
     step = max(s["time_s"]["step"] for s in stages)
     flops = model_flops(*args)
     return {"mesh": {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "devices": devices}, "microbatches": m,
             "model_flops_per_iteration": flops, "hardware_flops_per_iteration": hardware_flops(*args, parallel.recompute),
-            "bubble": bubble, "time_sharing": share, "step_s": step, "tokens_per_s": global_batch * model.seq_len / step,
+            "bubble": bubble, "time_sharing": share, "pace": stretch / share, "step_s": step, "tokens_per_s": global_batch * model.seq_len / step,
             "mfu": flops / (step * device.peak_flops * devices), "stages": stages,
             "fits": all(s["total_peak"] <= device.memory_bytes for s in stages)}
 
