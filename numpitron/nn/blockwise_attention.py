@@ -8,10 +8,10 @@ Queries go in tiles of at most QUERY_TILE rows (`query_tiles`), and for each til
 keys it can see form one softmax group: a prefix of the block's rows (its chunks are
 in position order), cut where the tile's last query stops seeing (`visible_keys`).
 Keys entirely in a tile's future are skipped, not masked: with tiles of t rows a
-sequence of T computes about T (T + t) / 2 scores instead of T^2, which is the causal
-half of the work flash attention skips too (Dao et al. 2022, §3.1). Each group's normalised output O_g and log-sum-exp L_g are
-folded into the running result with the online-softmax rule (Milakov & Gimelshein
-2018; flash attention, Dao et al. 2022, Alg. 1):
+sequence of T computes about T (T + t) / 2 scores instead of T^2, skipping the blocks
+a causal flash attention skips too. Each group's normalised output O_g and
+log-sum-exp L_g are folded into the running result with the online-softmax rule
+(Milakov & Gimelshein 2018; flash attention, Dao et al. 2022, Alg. 1):
 
     L = log(exp(L) + exp(L_g)),   O = O exp(L_old - L) + O_g exp(L_g - L)
 
