@@ -37,6 +37,7 @@ from numpitron.nn.functional import bias_gelu_forward, gelu_backward  # noqa: E4
 from numpitron.nn.layernorm import LayerNorm  # noqa: E402
 from numpitron.nn.param import ParamStore  # noqa: E402
 
+LIBRARY_TILE = blockwise_attention.QUERY_TILE
 SHAPES = {"default": (12, 64, 128, 4), "nanoGPT": (8, 256, 384, 6)}
 S, A = np.sqrt(2.0 / np.pi), 0.044715
 
@@ -119,9 +120,6 @@ def attention_pass(attn, x, dy, tile):
         return attn.backward_input(dy, cache)
     finally:
         blockwise_attention.QUERY_TILE = LIBRARY_TILE
-
-
-LIBRARY_TILE = blockwise_attention.QUERY_TILE
 
 
 def cases(B, T, C, H):

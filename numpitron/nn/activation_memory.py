@@ -23,9 +23,9 @@ from numpitron.parallel.context import zigzag_chunks
 
 
 def softmax_groups(T: int, cp: int = 1, cp_rank: int = 0):
-    """(query rows, keys) of every softmax group a rank computes for its local sequence
-    of T tokens over a whole ring: the query tiles of its two zigzag chunks
-    (parallel/context.py) against the visible prefix of each block, exactly as
+    """(query tile, the key chunks it sees) of every softmax group a rank computes for
+    its local sequence of T tokens over a whole ring: the query tiles of its two zigzag
+    chunks (parallel/context.py) against the visible prefix of each block, exactly as
     nn/attention.py walks them."""
     mine = query_tiles(zigzag_chunks(T, cp, cp_rank))
     for step in range(cp):
@@ -33,18 +33,18 @@ def softmax_groups(T: int, cp: int = 1, cp_rank: int = 0):
         for tile in mine:
             seen = visible_keys(tile, zigzag_chunks(T, cp, owner))
             if seen:
-                yield tile.stop - tile.start, seen[-1].stop
+                yield tile, seen
 
 
 def attention_area(T: int, cp: int = 1, cp_rank: int = 0) -> int:
     """Probabilities per head a rank keeps: about T (T + t) / 2 with cp = 1 and query
     tiles of t rows, against the T^2 of the whole score matrix."""
-    return sum(rows * keys for rows, keys in softmax_groups(T, cp, cp_rank))
+    return sum((tile.stop - tile.start) * seen[-1].stop for tile, seen in softmax_groups(T, cp, cp_rank))
 
 
 def lse_rows(T: int, cp: int = 1, cp_rank: int = 0) -> int:
     """Rows of log-sum-exp kept per head: the running one (T) and one per softmax group."""
-    return T + sum(rows for rows, _ in softmax_groups(T, cp, cp_rank))
+    return T + sum(tile.stop - tile.start for tile, _ in softmax_groups(T, cp, cp_rank))
 
 
 def block_activation_bytes(B: int, T: int, C: int, H: int, tp: int = 1, sequence_parallel: bool = False,

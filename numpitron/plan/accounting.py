@@ -111,11 +111,6 @@ def chunk_activation_bytes(model, parallel, train, rank: Rank, chunk: int = 0) -
     return total
 
 
-def activation_bytes_per_microbatch(model, parallel, train, rank: Rank) -> int:
-    """What one micro-batch's caches keep on this stage, all its chunks together."""
-    return sum(chunk_activation_bytes(model, parallel, train, rank, c) for c in range(parallel.virtual_stages))
-
-
 def peak_activation_bytes(model, parallel, train, rank: Rank) -> int:
     """Walk this stage's schedule: a chunk's caches live from its forward to its whole
     backward (BW) or its weight half (W); the peak of their sum."""

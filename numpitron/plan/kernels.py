@@ -21,10 +21,9 @@ and the softmax groups against the probabilities the layer keeps.
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from numpitron.nn.blockwise_attention import query_tiles, visible_keys
+from numpitron.nn.activation_memory import softmax_groups
 from numpitron.nn.functional import TILE_ELEMENTS as GELU_TILE      # elements per tile, each its own calls
 from numpitron.optim.adamw import CHUNK as ADAMW_CHUNK              # elements per chunk, each its own calls
-from numpitron.parallel.context import zigzag_chunks
 
 # (forward, backward) element-wise passes of each piece, over the array it works on.
 PASSES = {
@@ -112,22 +111,13 @@ def _gelu(w, elements, forward, backward):
 
 def attention_groups(T: int, cp: int, cp_rank: int | None = None) -> list:
     """(query rows, key rows, masked, first of its queries) of every softmax group a rank
-    computes over a whole ring, walked with the layer's own tiles (nn/attention.py,
-    nn/blockwise_attention.py): its two zigzag chunks of T/2 cut into query tiles, each
-    against the visible prefix of every block. The busiest rank (the last) unless told.
-    Their scores add up to the probabilities the layer keeps (activation_memory;
-    tests/test_plan.py)."""
-    rank = cp - 1 if cp_rank is None else cp_rank
+    computes over a whole ring: the layer's own groups (nn/activation_memory.py,
+    `softmax_groups`), for the busiest rank (the last) unless told."""
     groups, seen = [], set()
-    for step in range(cp):
-        blocks = zigzag_chunks(T, cp, (rank - step) % cp)
-        for tile in query_tiles(zigzag_chunks(T, cp, rank)):
-            visible = visible_keys(tile, blocks)
-            if not visible:
-                continue
-            masked = visible[-1].last_position > tile.position      # a key after the tile's first query
-            groups.append((tile.stop - tile.start, visible[-1].stop, masked, tile not in seen))
-            seen.add(tile)
+    for tile, visible in softmax_groups(T, cp, cp - 1 if cp_rank is None else cp_rank):
+        masked = visible[-1].last_position > tile.position      # a key after the tile's first query
+        groups.append((tile.stop - tile.start, visible[-1].stop, masked, tile not in seen))
+        seen.add(tile)
     return groups
 
 
