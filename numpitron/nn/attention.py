@@ -18,6 +18,8 @@ Generation runs the same forward with a key/value cache (`kv`): the new position
 attend to every cached one, as one more block.
 """
 
+import math
+
 import numpy as np
 
 from numpitron.nn.blockwise_attention import AttentionState, attend_block, attend_block_backward, query_tiles
@@ -34,7 +36,7 @@ class ParallelAttention(Layer):
                  keep_probs: bool = True):
         self.local_heads = n_heads // topo.tp
         self.head_dim = d_model // n_heads
-        self.scale = 1.0 / np.sqrt(self.head_dim)
+        self.scale = 1.0 / math.sqrt(self.head_dim)   # a Python float keeps float32 passes float32
         self.cp, self.cp_rank = topo.cp_comm, topo.cp_comm.rank
         self.chunks = zigzag_chunks          # which positions each cp rank holds
         # False: selective recomputation (Korthikanti et al. 2022, §5): the softmax

@@ -7,6 +7,8 @@ embeddings; not biases or LayerNorm), element by element, so a ZeRO slice that c
 through the middle of a parameter is still decayed correctly.
 """
 
+import math
+
 import numpy as np
 
 # Elements updated at a time: the sixteen passes of one chunk over p, g, m, v and a
@@ -39,7 +41,7 @@ class AdamW:
         b1, b2, t = self.beta1, self.beta2, self.step_count
         decay = -lr * self.weight_decay
         # p -= lr * m_hat / (sqrt(v_hat) + eps), with the bias corrections folded in
-        v_scale, step_scale = 1.0 / np.sqrt(1 - b2 ** t), -lr / (1 - b1 ** t)
+        v_scale, step_scale = 1.0 / math.sqrt(1 - b2 ** t), -lr / (1 - b1 ** t)   # Python floats: float32 passes
         for lo in range(0, params.size, CHUNK):
             hi = min(lo + CHUNK, params.size)
             p, g, m, v = params[lo:hi], grads[lo:hi], self.m[lo:hi], self.v[lo:hi]
