@@ -12,7 +12,8 @@ from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
 from numpitron.distributed.topology import Topology
 from numpitron.model import GPTStage
 from numpitron.optim.adamw import AdamW
-from numpitron.optim.grad_norm import clip_, global_grad_norm
+from numpitron.nn.param import mask_runs
+from numpitron.optim.grad_norm import clip_, global_grad_norm, global_grad_sumsq
 from numpitron.optim.schedule import learning_rate
 from numpitron.parallel.optimizer import make_optimizer
 from tests.tolerances import CLIP_RTOL, EQUIV_RTOL_FLOAT64, rel_diff
@@ -142,9 +143,20 @@ def test_global_grad_norm_serial_is_the_plain_norm():
     model = GPTStage(tiny_cfg(), topo, seed=0)
     model.store.grad[:] = np.random.default_rng(3).normal(size=model.store.size)
     assert np.all(model.store.norm_mask == 1)                 # one process counts everything
-    norm = global_grad_norm(model.store.grad, model.store.norm_mask, topo.model_comm)
+    norm = global_grad_norm(model.store.grad, model.store.norm_runs, topo.model_comm)
     assert rel_diff(norm, np.linalg.norm(model.store.grad)) <= EQUIV_RTOL_FLOAT64
     assert topo.stats.total_bytes() == 0
+
+
+def test_grad_norm_counts_the_masked_runs_only():
+    rng = np.random.default_rng(1)
+    grads = rng.normal(size=50).astype(np.float32)
+    mask = (rng.random(50) < 0.6).astype(np.float32)
+    mask[:3], mask[-2:] = 1, 0                     # a run at the start, none at the end
+    expected = float(np.sum(grads.astype(np.float64) ** 2 * mask))
+    got = global_grad_sumsq(grads, mask_runs(mask), Topology.serial().model_comm)
+    assert abs(got - expected) <= 1e-5 * expected
+    assert global_grad_sumsq(grads, mask_runs(np.zeros(50, np.float32)), Topology.serial().model_comm) == 0.0
 
 
 def test_decay_mask_is_matrices_and_embeddings_only():

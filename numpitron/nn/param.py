@@ -15,6 +15,16 @@ import numpy as np
 from numpitron.distributed.sharding import shard_bounds
 
 
+def mask_runs(mask) -> list[tuple[int, int]]:
+    """[(start, stop), ...] in order, covering exactly the nonzero elements of a mask over
+    a flat buffer. A mask fixed per parameter is a handful of such runs (one per tensor,
+    merged where neighbours agree), so work over the masked elements can go run by run
+    instead of through a masked copy."""
+    on = np.concatenate([[False], np.asarray(mask) != 0, [False]])
+    edges = np.flatnonzero(on[1:] != on[:-1])       # alternately a start and a stop
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
+
+
 @dataclass(eq=False)
 class Param:
     """One logical parameter; `data` and `grad` hold this rank's slice.
@@ -112,6 +122,7 @@ class ParamStore:
             # Counted in the global gradient norm on this rank? A tp-replicated tensor
             # once (on tp rank 0), a split one on every rank (each holds a slice).
             self.norm_mask[start:stop] = p.in_norm and (p.split_axis is not None or self.tp_rank == 0)
+        self.norm_runs = mask_runs(self.norm_mask)      # what the gradient norm sums over
 
     def pad_to_multiple(self, multiple: int) -> None:
         """Grow the buffers with zeros to a multiple of `multiple` elements, keeping the

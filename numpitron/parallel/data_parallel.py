@@ -75,7 +75,7 @@ class DataParallelOptimizer(DistributedOptimizer):
 
     def grad_sumsq(self) -> float:
         # Gradients are now identical across dp: the norm spans one model replica.
-        return global_grad_sumsq(self.store.grad, self.store.norm_mask, self.group.replica_comm)
+        return global_grad_sumsq(self.store.grad, self.store.norm_runs, self.group.replica_comm)
 
     def update(self, lr: float, norm: float) -> None:
         clip_(self.store.grad, norm, self.train_cfg.grad_clip)

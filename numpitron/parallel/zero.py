@@ -20,6 +20,7 @@ keeps nothing but its slice of the gradients between steps.
 import numpy as np
 
 from numpitron.distributed.sharding import pieces_of_range, shard_bounds
+from numpitron.nn.param import mask_runs
 from numpitron.optim.distributed import DistributedOptimizer, GradientGroup
 from numpitron.optim.grad_norm import clip_, global_grad_sumsq
 from numpitron.parallel.data_parallel import GradientBuckets
@@ -37,7 +38,7 @@ class ZeroOneOptimizer(DistributedOptimizer):
         self.grad_shard = np.zeros(self.hi - self.lo, store.dtype)
         # The masks of this rank's slice (ZeRO-3 frees the whole-stage ones).
         self.decay_shard = store.decay_mask[self.lo:self.hi].copy()
-        self.norm_shard = store.norm_mask[self.lo:self.hi].copy()
+        self.norm_runs = mask_runs(store.norm_mask[self.lo:self.hi])
 
     def memory_bytes(self) -> dict:
         """The whole gradient buffer (freed between steps from stage 2 on) and the slice."""
@@ -50,7 +51,7 @@ class ZeroOneOptimizer(DistributedOptimizer):
 
     def grad_sumsq(self) -> float:
         # 2. Slices are disjoint over dp and stages over pp; the mask handles tp.
-        return global_grad_sumsq(self.grad_shard, self.norm_shard, self.topo.world)
+        return global_grad_sumsq(self.grad_shard, self.norm_runs, self.topo.world)
 
     def update(self, lr: float, norm: float) -> None:
         self.update_shard(self.store.data[self.lo:self.hi], lr, norm)        # 3.

@@ -35,7 +35,7 @@ PASSES = {
     #                              dS -= D, dS *= P
     "loss": (4, 2),              # over n x V/tp: max, subtract, sum, divide / subtract the target, scale
     "adamw": 16,                 # over each updated element (optim/adamw.py)
-    "grads": 4,                  # over the rank's gradient buffer: masked square, dot, clip, zeroing
+    "grads": 3,                  # over the rank's gradient buffer: the norm's dot (run by run), clip, zeroing
 }
 EXP_PER_ELEMENT = {"gelu": 1, "softmax": 1, "loss": 1}      # np.exp per hidden unit, score, logit
 # NumPy calls on per-row or per-parameter vectors, besides the passes above.
