@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 
 from numpitron.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from numpitron.distributed.topology import Topology  # noqa: E402
+from numpitron.nn.activation_memory import softmax_groups  # noqa: E402
 from numpitron.nn.functional import bias_gelu_forward, gelu_backward, softmax_lastdim_with_lse_  # noqa: E402
 from numpitron.trainer import Trainer  # noqa: E402
 
@@ -69,11 +70,12 @@ def gradient_like(y, seed):
     return np.random.default_rng(seed).standard_normal(np.shape(y)).astype(np.float32)
 
 
-def matmul_lower_bound(cfg, dtype):
-    """The step's matmuls alone, same shapes and layouts (transposed views), timed as
-    the library writes them (`@`, allocating) and into preallocated outputs (`out=`).
+def matmul_lower_bound(cfg, dtype, batch: int = B, seq_len: int = T):
+    """The step's matmuls alone, same shapes and layouts (transposed views; the
+    attention's products tile by tile, as the library walks them), timed as the library
+    writes them (`@`, allocating) and into preallocated outputs (`out=`).
     Returns (ms with @, ms with out=, GFLOP per step)."""
-    N, C, V, H, hd, L = B * T, cfg.d_model, cfg.vocab_size, cfg.n_heads, cfg.d_model // cfg.n_heads, cfg.n_layers
+    N, C, V, H, hd, L = batch * seq_len, cfg.d_model, cfg.vocab_size, cfg.n_heads, cfg.d_model // cfg.n_heads, cfg.n_layers
     rng = np.random.default_rng(0)
 
     def r(*shape):
@@ -83,13 +85,14 @@ def matmul_lower_bound(cfg, dtype):
         x, w, dy = r(N, n_in), r(n_in, n_out), r(N, n_out)
         return [(x, w), (x.T, dy), (dy, w.T)]
 
-    def batched(a_shape, b_shape):
-        return [(r(*a_shape), r(*b_shape))]
-    s, hv = (B, H, T, T), (B, H, T, hd)
+    def attention_tile(rows, keys):   # one softmax group: `rows` queries against `keys` keys
+        q, k, p = r(batch, H, rows, hd), r(batch, H, keys, hd), r(batch, H, rows, keys)
+        return [(q, k.swapaxes(2, 3)), (p, k),                          # scores, probs @ v
+                (p.swapaxes(2, 3), q), (q, k.swapaxes(2, 3)),           # dv = P^T dY, dP = dY V^T
+                (p, k), (p.swapaxes(2, 3), q)]                          # dq = dS K, dk = dS^T Q
     per_block = linear(C, 3 * C) + linear(C, C) + linear(C, 4 * C) + linear(4 * C, C)
-    per_block += batched(hv, (B, H, hd, T)) + batched(s, hv)             # scores, probs @ v
-    per_block += batched(s, hv) + batched(hv, (B, H, hd, T))             # dv = P^T dY, dP = dY V^T
-    per_block += batched(s, hv) + batched(s, hv)                         # dq = dS K, dk = dS^T Q
+    for tile, seen in softmax_groups(seq_len):
+        per_block += attention_tile(tile.stop - tile.start, seen[-1].stop)
     head = linear(C, V)               # logits = h E^T: same shapes as a (C -> V) linear
     pairs = [(p, L) for p in per_block] + [(p, 1) for p in head]
     t_alloc = t_out = flops = 0.0

@@ -1,13 +1,17 @@
 """numpitron against PyTorch eager on this machine, side by side in one run.
 
     pip install -e ".[bench]"          # PyTorch, for this script only
-    python benchmarks/vs_pytorch.py [--iters 30] [--rounds 2]
+    python benchmarks/vs_pytorch.py [--iters 30] [--rounds 2] [--configs default nanogpt]
 
 For each model config: PyTorch with 1 thread against numpitron on one process (one
 BLAS thread), then PyTorch with 2 threads against numpitron on 2 ranks (dp = 2 and
-tp = 2, same global batch). Every run is its own process, so peak memory is its own;
-runs alternate for `--rounds` rounds and the table gives medians. Prints a Markdown
-table and one JSON object per run.
+tp = 2, same global batch); and the ceiling of numpitron's step on these BLAS calls,
+its matmuls alone (benchmarks/matmul_ceiling.py), on one core and twice that for two. Every run is its own process, so peak memory is its own;
+runs alternate for `--rounds` rounds. The machine's speed drifts by a fifth within
+minutes, so a ratio is taken within each round (numpitron's run over PyTorch's run
+with the same threads, seconds apart) and the table gives the median of those ratios
+and their range, beside the median tokens/s. Prints a Markdown table and one JSON
+object per run.
 """
 
 import argparse
@@ -19,9 +23,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-CONFIGS = {
-    "default (L4 C128 T64 B12)": dict(n_layers=4, n_heads=4, d_model=128, seq_len=64, batch=12),
-    "nanoGPT char (L6 C384 T256 B8)": dict(n_layers=6, n_heads=6, d_model=384, seq_len=256, batch=8),
+CONFIGS = {   # short name -> (name in the table, model and batch)
+    "default": ("default (L4 C128 T64 B12)", dict(n_layers=4, n_heads=4, d_model=128, seq_len=64, batch=12)),
+    "nanogpt": ("nanoGPT char (L6 C384 T256 B8)", dict(n_layers=6, n_heads=6, d_model=384, seq_len=256, batch=8)),
 }
 
 
@@ -41,7 +45,9 @@ def runs(cfg: dict, iters: int) -> dict:
     ours = [str(BIN / "python"), "benchmarks/benchmark.py", f"--global-batch-size={cfg['batch']}",
             f"--iters={iters}", *model_flags(cfg)]
     two = [str(BIN / "mpiexec"), "-n", "2"] + ours
+    ceiling = [str(BIN / "python"), "benchmarks/matmul_ceiling.py", f"--batch={cfg['batch']}", *model_flags(cfg)]
     return {
+        "numpitron's matmuls alone, 1 core": ceiling,
         "pytorch, 1 thread": torch + ["--threads=1"],
         "numpitron, 1 process": ours + [f"--micro-batch-size={cfg['batch']}"],
         "pytorch, 2 threads": torch + ["--threads=2"],
@@ -50,13 +56,18 @@ def runs(cfg: dict, iters: int) -> dict:
     }
 
 
+def threads(label: str) -> str:
+    return "1" if "1 " in label else "2"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     args = p.parse_args()
     rows = []
-    for name, cfg in CONFIGS.items():
+    for name, cfg in (CONFIGS[key] for key in args.configs):
         results = {}
         for _ in range(args.rounds):
             for label, cmd in runs(cfg, args.iters).items():
@@ -68,20 +79,25 @@ def main():
         ours = [r for label, rs in results.items() if label.startswith("numpitron") for r in rs]
         flops_per_token = ours[0]["flops_per_token"]
         peak_per_core = statistics.median(r["peak_gflops_per_rank"] for r in ours) * 1e9
+        base = {threads(label): rs for label, rs in results.items() if label.startswith("pytorch")}
         for label, rs in results.items():
             tokens_per_s = statistics.median(r["tokens_per_s"] for r in rs)
             mfu = statistics.median(r["mfu"] for r in rs) if "mfu" in rs[0] else \
                 tokens_per_s * flops_per_token / (peak_per_core * rs[0]["threads"])
-            rows.append((name, label, tokens_per_s, max(r["peak_rss_mb"] for r in rs), mfu))
-    print("\n| config | run | tokens/s | x PyTorch (same threads) | MFU | peak RSS MB |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
-    base = {}
-    for name, label, tps, rss, mfu in rows:
-        threads = "1" if "1 " in label else "2"
-        if label.startswith("pytorch"):
-            base[(name, threads)] = tps
-        ratio = tps / base[(name, threads)]
-        print(f"| {name} | {label} | {tps:,.0f} | {ratio:.2f} | {mfu:.2f} | {rss:.0f} |")
+            # each round's ratio against PyTorch's run of the same round and threads
+            ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, base[threads(label)])]
+            rows.append((name, label, tokens_per_s, ratios, max(r["peak_rss_mb"] for r in rs), mfu))
+        # Two cores can at best double one core's matmul rate: the ceiling of any 2-rank layout.
+        alone = results["numpitron's matmuls alone, 1 core"]
+        ratios = [2 * r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(alone, base["2"])]
+        rows.append((name, "numpitron's matmuls alone, 2 cores (twice 1)", 2 * statistics.median(
+            r["tokens_per_s"] for r in alone), ratios, max(r["peak_rss_mb"] for r in alone),
+            statistics.median(r["mfu"] for r in alone)))
+    print("\n| config | run | tokens/s | x PyTorch (same threads) | range over rounds | MFU | peak RSS MB |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, label, tps, ratios, rss, mfu in rows:
+        spread = f"{min(ratios):.2f} to {max(ratios):.2f}"
+        print(f"| {name} | {label} | {tps:,.0f} | {statistics.median(ratios):.2f} | {spread} | {mfu:.2f} | {rss:.0f} |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,47 @@
+"""The fastest a numpitron step could be on these BLAS calls: its matmuls alone.
+
+    python benchmarks/matmul_ceiling.py --n-layers 6 --n-heads 6 --d-model 384 --seq-len 256 --batch 8
+
+Times every matmul one training step makes at this config, on one BLAS thread, with
+the shapes and layouts the library gives them (`profile_layers.matmul_lower_bound`:
+the three products of every linear layer, the attention's products tile by tile, the
+tied head), and reports the tokens/s of a step in which everything else (GELU,
+softmax, LayerNorm, AdamW, the interpreter, communication) took no time at all, with
+its MFU against the sgemm peak benchmark.py measures. No layout or tuning of the
+element-wise work can beat it; only fewer FLOPs or a faster BLAS can. Twice this rate
+bounds two ranks on two cores. Prints one JSON object.
+"""
+
+import argparse
+import json
+import resource
+
+import profile_layers  # first: it sets one BLAS thread before NumPy loads
+import benchmark
+
+import numpy as np
+from numpitron.config import ModelConfig
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for flag, default in (("--n-layers", 4), ("--n-heads", 4), ("--d-model", 128), ("--seq-len", 64),
+                          ("--batch", 12), ("--reps", 10)):
+        p.add_argument(flag, type=int, default=default)
+    args = p.parse_args()
+    cfg = ModelConfig(n_layers=args.n_layers, n_heads=args.n_heads, d_model=args.d_model, seq_len=args.seq_len,
+                      vocab_size=benchmark.VOCAB)
+    profile_layers.REPS = args.reps
+    peak = benchmark.sgemm_gflops(1024, 1024, 1024, np.float32, reps=20)
+    ms, _, gflop = profile_layers.matmul_lower_bound(cfg, np.float32, args.batch, args.seq_len)
+    tokens_per_s = args.batch * args.seq_len / (ms / 1e3)
+    flops_per_token = benchmark.flops_per_token(cfg)[1]
+    print(json.dumps({"threads": 1, "matmul_ms_per_step": round(ms, 2),
+                      "matmul_gflop_per_step": round(gflop, 3), "tokens_per_s": round(tokens_per_s, 1),
+                      "peak_gflops_per_rank": round(peak, 1), "flops_per_token": flops_per_token,
+                      "mfu": round(tokens_per_s * flops_per_token / (peak * 1e9), 4),
+                      "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))
+
+
+if __name__ == "__main__":
+    main()
