@@ -6,8 +6,9 @@
 For each model config: PyTorch with 1 thread against numpitron on one process (one
 BLAS thread), then PyTorch with 2 threads against numpitron on 2 ranks (dp = 2 and
 tp = 2, same global batch); and the ceiling of numpitron's step on these BLAS calls,
-its matmuls alone (benchmarks/matmul_ceiling.py), on one core and twice that for two. Every run is its own process, so peak memory is its own;
-runs alternate for `--rounds` rounds. The machine's speed drifts by a fifth within
+its matmuls alone (benchmarks/matmul_ceiling.py), on one core and twice that for two.
+Every run is its own process, so peak memory is its own; runs alternate for `--rounds`
+rounds. The machine's speed drifts by a fifth within
 minutes, so a ratio is taken within each round (numpitron's run over PyTorch's run
 with the same threads, seconds apart) and the table gives the median of those ratios
 and their range, beside the median tokens/s. Prints a Markdown table and one JSON
@@ -56,8 +57,9 @@ def runs(cfg: dict, iters: int) -> dict:
     }
 
 
-def threads(label: str) -> str:
-    return "1" if "1 " in label else "2"
+def threads(result: dict) -> int:
+    """Cores a run used: PyTorch's threads and the ceiling's say so; numpitron's mesh, its ranks."""
+    return result["threads"] if "threads" in result else result["mesh"]["world"]
 
 
 def main():
@@ -79,17 +81,17 @@ def main():
         ours = [r for label, rs in results.items() if label.startswith("numpitron") for r in rs]
         flops_per_token = ours[0]["flops_per_token"]
         peak_per_core = statistics.median(r["peak_gflops_per_rank"] for r in ours) * 1e9
-        base = {threads(label): rs for label, rs in results.items() if label.startswith("pytorch")}
+        base = {threads(rs[0]): rs for label, rs in results.items() if label.startswith("pytorch")}
         for label, rs in results.items():
             tokens_per_s = statistics.median(r["tokens_per_s"] for r in rs)
             mfu = statistics.median(r["mfu"] for r in rs) if "mfu" in rs[0] else \
                 tokens_per_s * flops_per_token / (peak_per_core * rs[0]["threads"])
             # each round's ratio against PyTorch's run of the same round and threads
-            ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, base[threads(label)])]
+            ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, base[threads(rs[0])])]
             rows.append((name, label, tokens_per_s, ratios, max(r["peak_rss_mb"] for r in rs), mfu))
         # Two cores can at best double one core's matmul rate: the ceiling of any 2-rank layout.
         alone = results["numpitron's matmuls alone, 1 core"]
-        ratios = [2 * r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(alone, base["2"])]
+        ratios = [2 * r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(alone, base[2])]
         rows.append((name, "numpitron's matmuls alone, 2 cores (twice 1)", 2 * statistics.median(
             r["tokens_per_s"] for r in alone), ratios, max(r["peak_rss_mb"] for r in alone),
             statistics.median(r["mfu"] for r in alone)))
