@@ -48,9 +48,9 @@ def test_adamw_one_and_two_steps_match_hand_computation():
     lrs = (3e-2, 2e-2)
     opt = AdamW(n, np.float64, B1, B2, EPS, WD)
     p = p0.copy()
-    opt.update(p, g1.copy(), mask, lrs[0])
+    opt.update(p, g1.copy(), mask_runs(mask), lrs[0])
     assert rel_diff(p - p0, adamw_by_hand(p0, [g1], mask, lrs[:1]) - p0) <= EQUIV_RTOL_FLOAT64
-    opt.update(p, g2.copy(), mask, lrs[1])
+    opt.update(p, g2.copy(), mask_runs(mask), lrs[1])
     assert rel_diff(p - p0, adamw_by_hand(p0, [g1, g2], mask, lrs) - p0) <= EQUIV_RTOL_FLOAT64
     assert p[0] == p0[0]
     # the moments are the plain exponential averages (no bias correction stored)
@@ -58,18 +58,35 @@ def test_adamw_one_and_two_steps_match_hand_computation():
     assert rel_diff(opt.v, B2 * (1 - B2) * g1 ** 2 + (1 - B2) * g2 ** 2) <= EQUIV_RTOL_FLOAT64
 
 
+def test_adamw_decays_runs_that_cross_its_chunks(monkeypatch):
+    # Runs of every kind against chunks of 4: inside one, across two, a run of one
+    # element, and a run that ends the buffer; the untouched elements must not decay.
+    monkeypatch.setattr("numpitron.optim.adamw.CHUNK", 4)
+    rng = np.random.default_rng(3)
+    n = 15
+    mask = np.zeros(n)
+    for a, b in [(1, 3), (3, 9), (10, 11), (13, 15)]:
+        mask[a:b] = 1.0
+    p0, grads = rng.normal(size=n), [rng.normal(size=n) * 1e-2 for _ in range(2)]
+    p = p0.copy()
+    opt = AdamW(n, np.float64, B1, B2, EPS, WD)
+    for g, lr in zip(grads, (3e-2, 2e-2)):
+        opt.update(p, g.copy(), mask_runs(mask), lr)
+    assert rel_diff(p - p0, adamw_by_hand(p0, grads, mask, (3e-2, 2e-2)) - p0) <= EQUIV_RTOL_FLOAT64
+
+
 def test_adamw_first_step_is_lr_times_sign_when_eps_is_negligible():
     # With bias correction, step 1 is m_hat / sqrt(v_hat) = g / |g|: a step of exactly lr.
     g = np.array([1e-3, -2.0, 5.0, -7e-2])
     p = np.zeros(4)
-    AdamW(4, np.float64, B1, B2, 0.0, WD).update(p, g, np.ones(4), 0.5)
+    AdamW(4, np.float64, B1, B2, 0.0, WD).update(p, g, [(0, 4)], 0.5)
     assert rel_diff(p, -0.5 * np.sign(g)) <= EQUIV_RTOL_FLOAT64
 
 
 def test_step_count_increments_every_update():
     opt = AdamW(3, np.float64)
     for k in range(1, 5):
-        opt.update(np.ones(3), np.ones(3), np.ones(3), 1e-3)
+        opt.update(np.ones(3), np.ones(3), [(0, 3)], 1e-3)
         assert opt.step_count == k
     # and through both optimizers a trainer uses (serial topology)
     train = TrainConfig(grad_clip=1.0, weight_decay=0.1)

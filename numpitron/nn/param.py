@@ -123,6 +123,7 @@ class ParamStore:
             # once (on tp rank 0), a split one on every rank (each holds a slice).
             self.norm_mask[start:stop] = p.in_norm and (p.split_axis is not None or self.tp_rank == 0)
         self.norm_runs = mask_runs(self.norm_mask)      # what the gradient norm sums over
+        self.decay_runs = mask_runs(self.decay_mask)    # what AdamW's weight decay applies to
 
     def pad_to_multiple(self, multiple: int) -> None:
         """Grow the buffers with zeros to a multiple of `multiple` elements, keeping the

@@ -79,7 +79,7 @@ class DataParallelOptimizer(DistributedOptimizer):
 
     def update(self, lr: float, norm: float) -> None:
         clip_(self.store.grad, norm, self.train_cfg.grad_clip)
-        self.adam.update(self.store.data, self.store.grad, self.store.decay_mask, lr)
+        self.adam.update(self.store.data, self.store.grad, self.store.decay_runs, lr)
 
     def full_moments(self):
         return self.adam.m, self.adam.v

@@ -36,8 +36,8 @@ class ZeroOneOptimizer(DistributedOptimizer):
         store.pad_to_multiple(dp.size)
         super().__init__(store, topo, train_cfg, *shard_bounds(store.size, dp.size, dp.rank), group)
         self.grad_shard = np.zeros(self.hi - self.lo, store.dtype)
-        # The masks of this rank's slice (ZeRO-3 frees the whole-stage ones).
-        self.decay_shard = store.decay_mask[self.lo:self.hi].copy()
+        # The mask runs of this rank's slice (ZeRO-3 frees the whole-stage masks).
+        self.decay_runs = mask_runs(store.decay_mask[self.lo:self.hi])
         self.norm_runs = mask_runs(store.norm_mask[self.lo:self.hi])
 
     def memory_bytes(self) -> dict:
@@ -60,7 +60,7 @@ class ZeroOneOptimizer(DistributedOptimizer):
     def update_shard(self, params_shard, lr: float, norm: float) -> None:
         """Step 3 on this rank's slice: clip by the global norm, AdamW."""
         clip_(self.grad_shard, norm, self.train_cfg.grad_clip)
-        self.adam.update(params_shard, self.grad_shard, self.decay_shard, lr)
+        self.adam.update(params_shard, self.grad_shard, self.decay_runs, lr)
 
     def full_moments(self):
         """Gather m and v over dp into full-stage buffers."""

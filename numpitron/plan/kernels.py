@@ -34,7 +34,7 @@ PASSES = {
     "softmax": (4, 2),           # over each group's scores: max, subtract, row sum, normalise /
     #                              dS -= D, dS *= P
     "loss": (4, 2),              # over n x V/tp: max, subtract, sum, divide / subtract the target, scale
-    "adamw": 16,                 # over each updated element (optim/adamw.py)
+    "adamw": 13,                 # over each updated element (optim/adamw.py), the decay counted as one
     "grads": 3,                  # over the rank's gradient buffer: the norm's dot (run by run), clip, zeroing
 }
 EXP_PER_ELEMENT = {"gelu": 1, "softmax": 1, "loss": 1}      # np.exp per hidden unit, score, logit
