@@ -181,8 +181,9 @@ def cases(B, T, C, H, layers):
          lambda: attention_pass(attn, xa, dya, T)),
         ("q|k|v: add then copy vs one strided add (dropped)", lambda: split_heads_add_then_copy(qkv, bias3, (B, T, H, C // H)),
          lambda: split_heads_fused(qkv, bias3, (B, T, H, C // H))),
-        (f"AdamW on {store.size / 1e6:.1f} M parameters: decay by runs vs by mask", lambda: opt.update(
-            store.data, grads, store.decay_runs, 1e-4), lambda: adamw_with_mask_passes(opt, store.data, grads, store.decay_mask, 1e-4)),
+        (f"AdamW on {store.size / 1e6:.1f} M parameters: decay by runs vs by mask",
+         lambda: opt.update(store.data, grads, store.decay_runs, 1e-4),
+         lambda: adamw_with_mask_passes(opt, store.data, grads, store.decay_mask, 1e-4)),
     ]
 
 
