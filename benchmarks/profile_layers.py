@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from numpitron.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from numpitron.distributed.topology import Topology  # noqa: E402
 from numpitron.nn.activation_memory import softmax_groups  # noqa: E402
-from numpitron.nn.functional import bias_gelu_forward, gelu_backward, softmax_lastdim_with_lse_  # noqa: E402
+from numpitron.nn.functional import bias_gelu_forward, gelu_backward, row_tiles, softmax_lastdim_with_lse_  # noqa: E402
 from numpitron.trainer import Trainer  # noqa: E402
 
 B, T = 12, 64
@@ -102,6 +102,28 @@ def matmul_lower_bound(cfg, dtype, batch: int = B, seq_len: int = T):
         t_out += count * median_ms(lambda _: np.matmul(a, b, out=out))
         flops += count * 2 * out.size * a.shape[-1]
     return t_alloc, t_out, flops / 1e9
+
+
+def exp_lower_bound(cfg, dtype, batch: int = B, seq_len: int = T):
+    """The step's exponentials alone, at the shapes the library computes them: one per
+    element of every MLP hidden layer (the GELU, in its row tiles) and one per score of
+    every softmax group (the attention's query tiles). The backward needs none: it
+    reuses the kept sigmoid and probabilities. Exact GELU and softmax cannot do with
+    fewer, and NumPy has no cheaper exponential on this CPU (docs/15, "The floor").
+    Each shape is timed on one array, over and over, so that it sits in cache: a bound
+    from below. Returns (ms per step, exponentials per step)."""
+    rng = np.random.default_rng(0)
+    n_rows, width = batch * seq_len, 4 * cfg.d_model
+    gelu_tiles = [t.stop - t.start for t in row_tiles(n_rows, width)]
+    shapes = [(rows, width) for rows in gelu_tiles]
+    shapes += [(batch, cfg.n_heads, tile.stop - tile.start, seen[-1].stop) for tile, seen in softmax_groups(seq_len)]
+    ms = count = 0.0
+    for shape in set(shapes):
+        x = rng.standard_normal(shape).astype(dtype)
+        out = np.empty_like(x)
+        ms += shapes.count(shape) * median_ms(lambda _: np.exp(x, out=out))
+        count += shapes.count(shape) * x.size
+    return cfg.n_layers * ms, int(cfg.n_layers * count)
 
 
 def main():
