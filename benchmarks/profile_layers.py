@@ -108,7 +108,7 @@ def exp_lower_bound(cfg, dtype, batch: int = B, seq_len: int = T):
     """The step's exponentials alone, at the shapes the library computes them: one per
     element of every MLP hidden layer (the GELU, in its row tiles) and one per score of
     every softmax group (the attention's query tiles). The backward needs none: it
-    reuses the kept sigmoid and probabilities. Exact GELU and softmax cannot do with
+    reuses the kept sigmoid and probabilities (with cp = 1 and no recomputation). Exact GELU and softmax cannot do with
     fewer, and NumPy has no cheaper exponential on this CPU (docs/15, "The floor").
     Each shape is timed on one array, over and over, so that it sits in cache: a bound
     from below. Returns (ms per step, exponentials per step)."""

@@ -91,18 +91,17 @@ def main():
             ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, base[threads(rs[0])])]
             rows.append((name, label, tokens_per_s, ratios, max(r["peak_rss_mb"] for r in rs), mfu))
         # Two cores can at best double one core's rate: the ceilings of any 2-rank layout,
-        # the matmuls alone and the matmuls with the exponentials nothing can skip.
+        # the matmuls alone and the matmuls with the exponentials nothing can skip (the
+        # first one's one-core row is already in, as a run of its own).
         alone = results["numpitron's matmuls alone, 1 core"]
-        for what, rate, mfu in (("matmuls alone", "tokens_per_s", "mfu"),
-                                ("matmuls and exps alone", "tokens_per_s_with_exps", "mfu_with_exps")):
-            if what != "matmuls alone":            # the one-core row of the tighter ceiling
-                ratios = [r[rate] / b["tokens_per_s"] for r, b in zip(alone, base[1])]
-                rows.append((name, f"numpitron's {what}, 1 core", statistics.median(r[rate] for r in alone),
-                             ratios, max(r["peak_rss_mb"] for r in alone), statistics.median(r[mfu] for r in alone)))
-            ratios = [2 * r[rate] / b["tokens_per_s"] for r, b in zip(alone, base[2])]
-            rows.append((name, f"numpitron's {what}, 2 cores (twice 1)", 2 * statistics.median(
-                r[rate] for r in alone), ratios, max(r["peak_rss_mb"] for r in alone),
-                statistics.median(r[mfu] for r in alone)))
+        ceilings = (("matmuls alone", "tokens_per_s", "mfu", (2,)),
+                    ("matmuls and exps alone", "tokens_per_s_with_exps", "mfu_with_exps", (1, 2)))
+        for what, rate, mfu, cores_rows in ceilings:
+            for cores in cores_rows:
+                ratios = [cores * r[rate] / b["tokens_per_s"] for r, b in zip(alone, base[cores])]
+                label = f"numpitron's {what}, " + ("1 core" if cores == 1 else f"{cores} cores (twice 1)")
+                rows.append((name, label, cores * statistics.median(r[rate] for r in alone), ratios,
+                             max(r["peak_rss_mb"] for r in alone), statistics.median(r[mfu] for r in alone)))
     print("\n| config | run | tokens/s | x PyTorch (same threads) | range over rounds | MFU | peak RSS MB |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for name, label, tps, ratios, rss, mfu in rows:
