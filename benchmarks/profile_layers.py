@@ -22,6 +22,7 @@ import json
 import resource
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -107,23 +108,23 @@ def matmul_lower_bound(cfg, dtype, batch: int = B, seq_len: int = T):
 def exp_lower_bound(cfg, dtype, batch: int = B, seq_len: int = T):
     """The step's exponentials alone, at the shapes the library computes them: one per
     element of every MLP hidden layer (the GELU, in its row tiles) and one per score of
-    every softmax group (the attention's query tiles). The backward needs none: it
-    reuses the kept sigmoid and probabilities (with cp = 1 and no recomputation). Exact GELU and softmax cannot do with
-    fewer, and NumPy has no cheaper exponential on this CPU (docs/15, "The floor").
-    Each shape is timed on one array, over and over, so that it sits in cache: a bound
-    from below. Returns (ms per step, exponentials per step)."""
+    every softmax group (the attention's query tiles); the loss's few, one per logit,
+    are left out. The backward needs none: it reuses the kept sigmoid and probabilities
+    (with cp = 1 and no recomputation). Exact GELU and softmax cannot do with fewer, and
+    NumPy has no cheaper exponential on this CPU (docs/15, "The floor"). Each shape is
+    timed on one array, over and over, so that it sits in cache: a bound from below.
+    Returns (ms per step, exponentials per step)."""
     rng = np.random.default_rng(0)
     n_rows, width = batch * seq_len, 4 * cfg.d_model
-    gelu_tiles = [t.stop - t.start for t in row_tiles(n_rows, width)]
-    shapes = [(rows, width) for rows in gelu_tiles]
-    shapes += [(batch, cfg.n_heads, tile.stop - tile.start, seen[-1].stop) for tile, seen in softmax_groups(seq_len)]
-    ms = count = 0.0
-    for shape in set(shapes):
+    shapes = Counter((t.stop - t.start, width) for t in row_tiles(n_rows, width))
+    shapes.update((batch, cfg.n_heads, tile.stop - tile.start, seen[-1].stop) for tile, seen in softmax_groups(seq_len))
+    ms = count = 0
+    for shape, times in shapes.items():
         x = rng.standard_normal(shape).astype(dtype)
         out = np.empty_like(x)
-        ms += shapes.count(shape) * median_ms(lambda _: np.exp(x, out=out))
-        count += shapes.count(shape) * x.size
-    return cfg.n_layers * ms, int(cfg.n_layers * count)
+        ms += times * median_ms(lambda _: np.exp(x, out=out))
+        count += times * x.size
+    return cfg.n_layers * ms, cfg.n_layers * count
 
 
 def main():
