@@ -10,6 +10,8 @@ choice is faster). The alternatives live here, not in the library:
 
 - GELU: the library's bias + GELU through sigmoid(2u) in row tiles, forward and backward,
   against a bias add, then GPT-2's tanh form over the whole array (11 passes back);
+- GELU's slope formed in the forward's tiles and kept (the backward is one multiply)
+  against the slope formed in the backward from the kept x, sig and y (eight passes);
 - row means and column sums: BLAS matrix-vector products against NumPy's reductions
   (LayerNorm's forward and both halves of its backward, the same passes otherwise);
 - attention: query tiles of 64 rows against whole chunks of T/2 (the layer's forward and
@@ -39,7 +41,7 @@ from numpitron.distributed.topology import Topology  # noqa: E402
 from numpitron.model import GPTStage  # noqa: E402
 from numpitron.nn import blockwise_attention  # noqa: E402
 from numpitron.nn.attention import ParallelAttention  # noqa: E402
-from numpitron.nn.functional import bias_gelu_forward, gelu_backward  # noqa: E402
+from numpitron.nn.functional import bias_gelu_forward, gelu_backward_, row_tiles  # noqa: E402
 from numpitron.nn.layernorm import LayerNorm  # noqa: E402
 from numpitron.nn.param import ParamStore  # noqa: E402
 from numpitron.optim import adamw  # noqa: E402
@@ -76,8 +78,38 @@ def tanh_gelu(h, bias, dy):
 
 def sigmoid_gelu(h, bias, dy):
     x = h.copy()                       # the library adds the bias into h in place
-    y, sig = bias_gelu_forward(x, bias)
-    return y, gelu_backward(dy, x, sig, y)
+    y, slope = bias_gelu_forward(x, bias)
+    return y, gelu_backward_(dy.copy(), slope)      # the library multiplies into a fresh gradient
+
+
+def gelu_slope_in_backward(h, bias, dy):
+    """The replaced split of the same passes: the forward keeps x, sig and y (three
+    hidden-sized arrays), and the backward forms the slope from them, tile by tile."""
+    x = h.copy()
+    sig, y, dx = np.empty_like(x), np.empty_like(x), np.empty_like(x)
+    with np.errstate(over="ignore"):
+        for t in row_tiles(*x.shape):
+            xt, st = x[t], sig[t]
+            xt += bias
+            np.multiply(xt, xt, out=st)
+            st *= -2 * S * A
+            st -= 2 * S
+            st *= xt
+            np.exp(st, out=st)
+            st += 1.0
+            np.reciprocal(st, out=st)
+            np.multiply(xt, st, out=y[t])
+    for t in row_tiles(*x.shape):
+        d = dx[t]
+        np.multiply(x[t], x[t], out=d)
+        d *= 6 * S * A
+        d += 2 * S
+        one_minus = np.subtract(1.0, sig[t])
+        one_minus *= y[t]
+        d *= one_minus
+        d += sig[t]
+        d *= dy[t]
+    return y, dx
 
 
 def layernorm_by_reductions(ln, x, dy):
@@ -175,6 +207,8 @@ def cases(B, T, C, H, layers):
     return [
         ("bias + GELU, forward and backward", lambda: sigmoid_gelu(hidden, bias4, dhidden),
          lambda: tanh_gelu(hidden, bias4, dhidden)),
+        ("GELU's slope formed in the forward vs in the backward", lambda: sigmoid_gelu(hidden, bias4, dhidden),
+         lambda: gelu_slope_in_backward(hidden, bias4, dhidden)),
         ("LayerNorm, forward and backward", lambda: layernorm_library(ln, x, dx),
          lambda: layernorm_by_reductions(ln, x, dx)),
         (f"attention layer, query tiles of {LIBRARY_TILE} vs T/2", lambda: attention_pass(attn, xa, dya, LIBRARY_TILE),

@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from numpitron.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from numpitron.distributed.topology import Topology  # noqa: E402
 from numpitron.nn.activation_memory import softmax_groups  # noqa: E402
-from numpitron.nn.functional import bias_gelu_forward, gelu_backward, row_tiles, softmax_lastdim_with_lse_  # noqa: E402
+from numpitron.nn.functional import bias_gelu_forward, gelu_backward_, row_tiles, softmax_lastdim_with_lse_  # noqa: E402
 from numpitron.trainer import Trainer  # noqa: E402
 
 B, T = 12, 64
@@ -109,7 +109,7 @@ def exp_lower_bound(cfg, dtype, batch: int = B, seq_len: int = T):
     """The step's exponentials alone, at the shapes the library computes them: one per
     element of every MLP hidden layer (the GELU, in its row tiles) and one per score of
     every softmax group (the attention's query tiles); the loss's few, one per logit,
-    are left out. The backward needs none: it reuses the kept sigmoid and probabilities
+    are left out. The backward needs none: it reuses the kept GELU slope and probabilities
     (with cp = 1 and no recomputation). Exact GELU and softmax cannot do with fewer, and
     NumPy has no cheaper exponential on this CPU (docs/15, "The floor"). Each shape is
     timed on one array, over and over, so that it sits in cache: a bound from below.
@@ -144,7 +144,7 @@ def main():
     x = model.embeddings.forward(ids)[0]                  # the residual stream entering block 0
     h = block.ln1.forward(x)[0]
     merged = block.attn.forward(h)[1]["proj"]["x"]         # attention's heads, merged
-    hidden = block.mlp.forward(h)[1]["h"]                  # the MLP's hidden layer before GELU
+    hidden = block.mlp.fc.forward(h)[0]                    # the MLP's hidden layer before GELU (and its bias)
     dx = gradient_like(x, 3)
     rows, counts = {}, {}                                  # name -> (fwd, bwd input, bwd weights); times per step
 
@@ -166,15 +166,14 @@ def main():
     add("model (whole)", 1, profile_layer(model, ids, 1.0, targets=targets))
     # The element-wise kernels, on the shapes the blocks give them
     groups = [probs for step in block.attn.forward(h)[1]["saved"] for _, _, probs, _ in step]
-    gelu_in = hidden.copy()
-    gelu_out, sig = bias_gelu_forward(gelu_in, fc_bias)
+    slope = bias_gelu_forward(hidden.copy(), fc_bias)[1]
     dhidden = gradient_like(hidden, 8)
     # Every softmax group of one block (nn/blockwise_attention.py); its backward is two
     # passes inside attend_block_backward, timed with attention.
     add("  kernel: softmax", L, (median_ms(lambda gs: [softmax_lastdim_with_lse_(g) for g in gs],
                                            lambda: [g.copy() for g in groups]), 0.0, 0.0))
     add("  kernel: bias + gelu", L, (median_ms(lambda h: bias_gelu_forward(h, fc_bias), hidden.copy),
-                                     median_ms(lambda _: gelu_backward(dhidden, gelu_in, sig, gelu_out)), 0.0))
+                                     median_ms(lambda d: gelu_backward_(d, slope), dhidden.copy), 0.0))
     add("data: global batch", 1, (median_ms(lambda _: trainer.microbatches(tokens, "train", 1)), 0.0, 0.0))
     add("zero_grad", 1, (0.0, median_ms(lambda _: model.store.zero_grad()), 0.0))
     add("optimizer step (norm+clip+AdamW)", 1, (0.0, median_ms(lambda _: trainer.optimizer.step(1e-4)), 0.0))

@@ -12,7 +12,7 @@ heads, tp tensor-parallel ranks and no dropout, in elements:
                log-sum-exp        B H (T + G) / tp       the running one and each group's (G rows)
                probabilities      B H P / tp             P ~ T (T + t) / 2: query tiles of t rows
                                                          skip the keys in their future
-    MLP: hidden, sigmoid, GELU   12 B T C / tp
+    MLP: GELU's slope, output     8 B T C / tp
 
 Selective recomputation drops the probabilities; full recomputation keeps only the
 block's input, n C.
@@ -52,7 +52,7 @@ def block_activation_bytes(B: int, T: int, C: int, H: int, tp: int = 1, sequence
     n = B * T // tp if sequence_parallel else B * T
     if recompute == "full":
         return itemsize * n * C
-    elements = 4 * n * C + 2 * n + (3 + 1 + 12) * B * T * C // tp + B * H * lse_rows(T, cp, cp_rank) // tp
+    elements = 4 * n * C + 2 * n + (3 + 1 + 8) * B * T * C // tp + B * H * lse_rows(T, cp, cp_rank) // tp
     if recompute != "selective":
         elements += B * H * attention_area(T, cp, cp_rank) // tp
     return itemsize * elements

@@ -16,7 +16,7 @@ checkpoint stores it under the same name for any ep.
 
 import numpy as np
 
-from numpitron.nn.functional import bias_gelu_forward, column_sums, gelu_backward
+from numpitron.nn.functional import bias_gelu_forward, column_sums, gelu_backward_
 from numpitron.nn.layer import Layer
 from numpitron.nn.param import Param
 
@@ -47,13 +47,12 @@ class LocalExperts(Layer):
     def forward(self, x, counts):
         # x: (R, C) tokens grouped by local expert -> (R, C)
         y = np.empty_like(x)
-        cache = {"x": x, "counts": counts, "h": [], "sig": [], "a": []}
+        cache = {"x": x, "counts": counts, "slope": [], "a": []}
         for e, (lo, hi) in enumerate(self.bounds(counts)):
             h = x[lo:hi] @ self.fc_w[e].data                          # (rows, 4C / tp)
-            a, sig = bias_gelu_forward(h, self.fc_b[e].data)            # h += bias, then GELU
+            a, slope = bias_gelu_forward(h, self.fc_b[e].data)          # h += bias, GELU; h then holds gelu'
             y[lo:hi] = a @ self.proj_w[e].data                          # partial sum over tp
-            cache["h"].append(h)
-            cache["sig"].append(sig)
+            cache["slope"].append(slope)
             cache["a"].append(a)
         self.tp.all_reduce(y)                                           # "g", for every expert at once
         for e, (lo, hi) in enumerate(self.bounds(counts)):
@@ -65,7 +64,7 @@ class LocalExperts(Layer):
         dx = np.empty_like(dy)
         for e, (lo, hi) in enumerate(self.bounds(cache["counts"])):
             da = dy[lo:hi] @ self.proj_w[e].data.T
-            dh = gelu_backward(da, cache["h"][e], cache["sig"][e], cache["a"][e])
+            dh = gelu_backward_(da, cache["slope"][e])
             dx[lo:hi] = dh @ self.fc_w[e].data.T                       # this rank's share
             cache["dh"].append(dh)
         return self.tp.all_reduce(dx)                                   # "f", for every expert at once

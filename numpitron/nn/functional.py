@@ -9,12 +9,16 @@ which is the same function, exactly, but costs one exp per element instead of on
 tanh (NumPy's float32 tanh is half again as slow as its exp on our CPUs). Its
 derivative, with sig = sigmoid(2u) and y = gelu(x) = x sig:
 
-    d gelu / dx = sig + x sig (1 - sig) 2 du/dx = sig + y (1 - sig) 2 s (1 + 3 a x^2)
+    gelu'(x) = sig + x sig (1 - sig) 2 du/dx = sig + y (1 - sig) 2 s (1 + 3 a x^2)
 
-Both passes run row tile by row tile (`row_tiles`), so the eight passes of a tile
-over its arrays stay in the CPU's cache instead of streaming the whole (B*T, 4C)
-activation from memory eight times; the column-parallel layer leaves its bias to
-the forward here (Megatron's fused bias-GELU), which then costs no pass of its own.
+The forward computes this slope too, while x, x^2, sig and y are in cache, and
+stores it over x: the backward is then one multiply (dx = dy gelu'(x)) and keeps
+two hidden-sized arrays (slope and y) instead of three (x, sig and y).
+
+The forward runs row tile by row tile (`row_tiles`), so the passes of a tile over its
+arrays stay in the CPU's cache instead of streaming the whole (B*T, 4C) activation
+from memory many times; the column-parallel layer leaves its bias to the forward
+here (Megatron's fused bias-GELU), which then costs no pass of its own.
 """
 
 import math
@@ -62,42 +66,37 @@ def row_tiles(n_rows: int, row_len: int):
 
 
 def bias_gelu_forward(h, bias):
-    """h += bias (in place: h becomes GELU's input x), then y = gelu(x). h: (..., F),
-    contiguous. Returns (y, sig), sig = sigmoid(2u), which the backward needs."""
-    y, sig = np.empty_like(h), np.empty_like(h)
-    x2, s2, y2 = (a.reshape(-1, h.shape[-1]) for a in (h, sig, y))
+    """h += bias (h becomes GELU's input x), y = gelu(x), then h is overwritten with
+    the slope gelu'(x). h: (..., F), contiguous. Returns (y, slope), slope being h."""
+    y = np.empty_like(h)
+    x2, y2 = h.reshape(-1, h.shape[-1]), y.reshape(-1, h.shape[-1])
+    tile_rows = min(x2.shape[0], max(1, TILE_ELEMENTS // max(x2.shape[1], 1)))
+    square_tile, sig_tile = np.empty((2, tile_rows, x2.shape[1]), h.dtype)
     with np.errstate(over="ignore"):      # exp(-2u) = inf for x < -10: sig = 0, y = -0, as it should
         for t in row_tiles(*x2.shape):
-            x, s = x2[t], s2[t]
+            x, x_sq, sig = x2[t], square_tile[:t.stop - t.start], sig_tile[:t.stop - t.start]
             x += bias
-            np.multiply(x, x, out=s)
-            s *= -2 * _GELU_S * _GELU_A
-            s -= 2 * _GELU_S
-            s *= x                        # -2u
-            np.exp(s, out=s)
-            s += 1.0
-            np.reciprocal(s, out=s)       # sigmoid(2u)
-            np.multiply(x, s, out=y2[t])
-    return y, sig
+            np.multiply(x, x, out=x_sq)
+            np.multiply(x_sq, -2 * _GELU_S * _GELU_A, out=sig)
+            sig -= 2 * _GELU_S
+            sig *= x                      # -2u
+            np.exp(sig, out=sig)
+            sig += 1.0
+            np.reciprocal(sig, out=sig)   # sigmoid(2u)
+            np.multiply(x, sig, out=y2[t])
+            x_sq *= 6 * _GELU_S * _GELU_A
+            x_sq += 2 * _GELU_S           # 2 du/dx
+            slope = np.subtract(1.0, sig, out=x)      # x is no longer needed: its tile takes the slope
+            slope *= y2[t]
+            slope *= x_sq
+            slope += sig
+    return y, h
 
 
-def gelu_backward(dy, x, sig, y):
-    """dL/dx from dL/dy, GELU's input x, sig = sigmoid(2u) and its output y; (..., F) each."""
-    dx = np.empty_like(x)
-    width = x.shape[-1]
-    dy, x, sig, y, d2 = (a.reshape(-1, width) for a in (dy, x, sig, y, dx))
-    scratch = np.empty_like(x[:max(1, TILE_ELEMENTS // width)])
-    for t in row_tiles(*x.shape):
-        d, one_minus = d2[t], scratch[:t.stop - t.start]
-        np.multiply(x[t], x[t], out=d)
-        d *= 6 * _GELU_S * _GELU_A
-        d += 2 * _GELU_S                  # 2 du/dx
-        np.subtract(1.0, sig[t], out=one_minus)
-        one_minus *= y[t]
-        d *= one_minus
-        d += sig[t]
-        d *= dy[t]
-    return dx
+def gelu_backward_(dy, slope):
+    """dL/dx = dL/dy * gelu'(x), written over dy (the caller's own fresh gradient)."""
+    dy *= slope
+    return dy
 
 
 def softmax_lastdim_with_lse_(x):

@@ -4,7 +4,7 @@ GELU is element-wise, so it applies to each rank's slice of the hidden layer wit
 no communication in between (Shoeybi et al. 2019, §3, Fig. 3a).
 """
 
-from numpitron.nn.functional import bias_gelu_forward, gelu_backward
+from numpitron.nn.functional import bias_gelu_forward, gelu_backward_
 from numpitron.nn.layer import Layer
 from numpitron.nn.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -19,13 +19,13 @@ class ParallelMLP(Layer):
 
     def forward(self, x):
         h, fc_cache = self.fc.forward(x)          # (B, T, 4C / tp), without fc's bias
-        a, sig = bias_gelu_forward(h, self.fc.bias.data)    # fc's bias goes in here
-        y, proj_cache = self.proj.forward(a)      # (B, T, C)
-        return y, {"fc": fc_cache, "h": h, "sig": sig, "a": a, "proj": proj_cache}
+        a, slope = bias_gelu_forward(h, self.fc.bias.data)  # fc's bias goes in here; h becomes gelu'
+        y, proj_cache = self.proj.forward(a)      # (B, T, C); proj keeps a for its weight gradient
+        return y, {"fc": fc_cache, "slope": slope, "proj": proj_cache}
 
     def backward_input(self, dy, cache):
         da = self.proj.backward_input(dy, cache["proj"])
-        dh = gelu_backward(da, cache["h"], cache["sig"], cache["a"])
+        dh = gelu_backward_(da, cache["slope"])
         return self.fc.backward_input(dh, cache["fc"])
 
     def backward_weights(self, cache):
