@@ -41,7 +41,7 @@ from numpitron.distributed.topology import Topology  # noqa: E402
 from numpitron.model import GPTStage  # noqa: E402
 from numpitron.nn import blockwise_attention  # noqa: E402
 from numpitron.nn.attention import ParallelAttention  # noqa: E402
-from numpitron.nn.functional import TILE_ELEMENTS, bias_gelu_forward, gelu_backward_, row_tiles  # noqa: E402
+from numpitron.nn.functional import bias_gelu_forward, gelu_backward_, row_tiles, rows_per_tile  # noqa: E402
 from numpitron.nn.layernorm import LayerNorm  # noqa: E402
 from numpitron.nn.param import ParamStore  # noqa: E402
 from numpitron.optim import adamw  # noqa: E402
@@ -99,7 +99,7 @@ def gelu_slope_in_backward(h, bias, dy):
             st += 1.0
             np.reciprocal(st, out=st)
             np.multiply(xt, st, out=y[t])
-    scratch = np.empty_like(x[:max(1, TILE_ELEMENTS // x.shape[1])])
+    scratch = np.empty_like(x[:rows_per_tile(x.shape[1])])
     for t in row_tiles(*x.shape):
         d = dx[t]
         np.multiply(x[t], x[t], out=d)

@@ -58,9 +58,14 @@ def column_sums(x):
     return _ones(x.shape[0], x.dtype) @ x
 
 
+def rows_per_tile(row_len: int) -> int:
+    """Rows of `row_len` elements in one tile of about TILE_ELEMENTS (at least one)."""
+    return max(1, TILE_ELEMENTS // max(row_len, 1))
+
+
 def row_tiles(n_rows: int, row_len: int):
     """Slices of rows covering [0, n_rows), each about TILE_ELEMENTS elements."""
-    step = max(1, TILE_ELEMENTS // max(row_len, 1))
+    step = rows_per_tile(row_len)
     for lo in range(0, n_rows, step):
         yield slice(lo, min(lo + step, n_rows))
 
@@ -70,7 +75,7 @@ def bias_gelu_forward(h, bias):
     the slope gelu'(x). h: (..., F), contiguous. Returns (y, slope), slope being h."""
     y = np.empty_like(h)
     x2, y2 = h.reshape(-1, h.shape[-1]), y.reshape(-1, h.shape[-1])
-    tile_rows = min(x2.shape[0], max(1, TILE_ELEMENTS // max(x2.shape[1], 1)))
+    tile_rows = min(x2.shape[0], rows_per_tile(x2.shape[1]))
     square_tile, sig_tile = np.empty((2, tile_rows, x2.shape[1]), h.dtype)
     with np.errstate(over="ignore"):      # exp(-2u) = inf for x < -10: sig = 0, y = -0, as it should
         for t in row_tiles(*x2.shape):
