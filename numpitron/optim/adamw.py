@@ -15,8 +15,9 @@ import numpy as np
 
 # Elements updated at a time: the thirteen passes of one chunk over p, g, m, v and a
 # scratch buffer stay in the CPU's cache instead of streaming the whole buffer
-# from memory thirteen times.
-CHUNK = 1 << 15
+# from memory thirteen times. Each chunk also pays thirteen NumPy calls (about 15 us):
+# 64 K took 0.95 and 0.98 the time of 32 K at 10.8 M and 0.8 M parameters, 4 K 1.9x.
+CHUNK = 1 << 16
 
 
 class AdamW:
