@@ -2,9 +2,11 @@
 per layer, the optimizer, the whole step, and the matmul-only lower bound.
 
     python benchmarks/profile_layers.py [--reps 50] [--json-only] [--glibc-malloc-defaults]
+    python benchmarks/profile_layers.py --batch 4 --n-layers 6 --n-heads 6 --d-model 384 --seq-len 256
 
 One process, one BLAS thread, float32, the default model (B=12 T=64 C=128 H=4 L=4,
-V=65). Every row drives the model's own layer objects through the one layer contract
+V=65) unless the flags give another (the second line: one dp rank's share of nanoGPT's
+config). Every row drives the model's own layer objects through the one layer contract
 (forward, backward_input, backward_weights; numpitron/nn/layer.py) on real activations,
 so nothing here repeats a layer's internals. A fresh forward (and, for the weight
 half, a fresh input half) runs before every repetition, outside the timer, because
@@ -133,10 +135,15 @@ def main():
     p.add_argument("--reps", type=int, default=REPS)
     p.add_argument("--json-only", action="store_true")
     p.add_argument("--glibc-malloc-defaults", action="store_true", help="skip the malloc tuning of numpitron.runtime")
+    defaults = ModelConfig()
+    for flag, default in (("--n-layers", defaults.n_layers), ("--n-heads", defaults.n_heads),
+                          ("--d-model", defaults.d_model), ("--seq-len", T), ("--batch", B)):
+        p.add_argument(flag, type=int, default=default)
     args = p.parse_args()
     REPS = args.reps
-    cfg = ModelConfig()
-    trainer = Trainer(cfg, ParallelConfig(), TrainConfig(micro_batch_size=B, warmup_iters=0), Topology.serial())
+    cfg = ModelConfig(n_layers=args.n_layers, n_heads=args.n_heads, d_model=args.d_model, seq_len=args.seq_len)
+    batch, seq_len = args.batch, args.seq_len
+    trainer = Trainer(cfg, ParallelConfig(), TrainConfig(micro_batch_size=batch, warmup_iters=0), Topology.serial())
     model, L = trainer.model, cfg.n_layers
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 200_000).astype(np.uint16)
     (ids, targets), = trainer.microbatches(tokens, "train", 0)
@@ -181,14 +188,14 @@ def main():
     step_reps = max(10, REPS // 2)
     add("train_step (total)", 1, (median_ms(lambda _: trainer.train_step(tokens), reps=step_reps), 0.0, 0.0))
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / (step_reps + 2)   # + median_ms's warm-ups
-    mm_alloc, mm_out, gflop = matmul_lower_bound(cfg, np.float32)
+    mm_alloc, mm_out, gflop = matmul_lower_bound(cfg, np.float32, batch, seq_len)
 
     # The step as the sum of its parts (a model's whole forward and backward, plus
     # what the trainer does around it).
     parts = ["model (whole)", "data: global batch", "zero_grad", "optimizer step (norm+clip+AdamW)"]
     parts_ms = sum(sum(rows[n]) * counts[n] for n in parts)
     step_ms = rows["train_step (total)"][0]
-    report = {"config": {"B": B, "T": T, "C": cfg.d_model, "H": cfg.n_heads, "L": L, "V": cfg.vocab_size,
+    report = {"config": {"B": batch, "T": seq_len, "C": cfg.d_model, "H": cfg.n_heads, "L": L, "V": cfg.vocab_size,
                          "dtype": "float32", "blas_threads": 1, "reps": REPS},
               "layers_ms": {n.strip(): {"fwd": round(f, 4), "bwd_input": round(bi, 4), "bwd_weights": round(bw, 4),
                                         "per_step": counts[n], "step_ms": round((f + bi + bw) * counts[n], 3)}

@@ -4,16 +4,15 @@
     python benchmarks/vs_pytorch.py [--iters 30] [--rounds 2] [--configs default nanogpt]
 
 For each model config: PyTorch with 1 thread against numpitron on one process (one
-BLAS thread), then PyTorch with 2 threads against numpitron on 2 ranks (dp = 2 and
-tp = 2, same global batch); and the ceilings of numpitron's step on these BLAS calls,
-its matmuls alone and its matmuls with the exponentials of exact GELU and softmax
-(benchmarks/matmul_ceiling.py), on one core and twice that for two.
+BLAS thread), then PyTorch with 2 threads against numpitron on 2 ranks (dp = 2, plain
+and with ZeRO-2, and tp = 2, same global batch); and the ceilings of numpitron's step
+on these BLAS calls, its matmuls alone and its matmuls with the exponentials of exact
+GELU and softmax (benchmarks/matmul_ceiling.py), on one core and twice that for two.
 Every run is its own process, so peak memory is its own; runs alternate for `--rounds`
-rounds. The machine's speed drifts by a fifth within
-minutes, so a ratio is taken within each round (numpitron's run over PyTorch's run
-with the same threads, seconds apart) and the table gives the median of those ratios
-and their range, beside the median tokens/s. Prints a Markdown table and one JSON
-object per run.
+rounds. The machine's speed drifts by a fifth within minutes, so a ratio is taken
+within each round (numpitron's run over PyTorch's run with the same threads, seconds
+apart) and the table gives the median of those ratios and their range, beside the
+median tokens/s. Prints a Markdown table and one JSON object per run.
 """
 
 import argparse
@@ -54,6 +53,10 @@ def runs(cfg: dict, iters: int) -> dict:
         "numpitron, 1 process": ours + [f"--micro-batch-size={cfg['batch']}"],
         "pytorch, 2 threads": torch + ["--threads=2"],
         "numpitron, dp = 2": two + ["--data-parallel-size=2", f"--micro-batch-size={cfg['batch'] // 2}"],
+        # ZeRO-2: each rank runs AdamW on half the parameters, and the gradients'
+        # reduce-scatter moves half an all-reduce's bytes in the backward (docs/12).
+        "numpitron, dp = 2, ZeRO-2": two + ["--data-parallel-size=2", f"--micro-batch-size={cfg['batch'] // 2}",
+                                            "--zero-stage=2"],
         "numpitron, tp = 2": two + ["--tensor-parallel-size=2", f"--micro-batch-size={cfg['batch']}"],
     }
 
