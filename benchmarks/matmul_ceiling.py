@@ -24,17 +24,14 @@ import profile_layers  # first: it sets one BLAS thread before NumPy loads
 import benchmark
 
 import numpy as np
-from numpitron.config import ModelConfig
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for flag, default in (("--n-layers", 4), ("--n-heads", 4), ("--d-model", 128), ("--seq-len", 64),
-                          ("--batch", 12), ("--reps", 10)):
-        p.add_argument(flag, type=int, default=default)
+    profile_layers.add_model_flags(p)
+    p.add_argument("--reps", type=int, default=10)
     args = p.parse_args()
-    cfg = ModelConfig(n_layers=args.n_layers, n_heads=args.n_heads, d_model=args.d_model, seq_len=args.seq_len,
-                      vocab_size=benchmark.VOCAB)
+    cfg = profile_layers.model_config(args, vocab_size=benchmark.VOCAB)
     profile_layers.REPS = args.reps
     peak = benchmark.sgemm_gflops(1024, 1024, 1024, np.float32, reps=20)
     ms, _, gflop = profile_layers.matmul_lower_bound(cfg, np.float32, args.batch, args.seq_len)

@@ -129,19 +129,30 @@ def exp_lower_bound(cfg, dtype, batch: int = B, seq_len: int = T):
     return cfg.n_layers * ms, cfg.n_layers * count
 
 
+def add_model_flags(parser) -> None:
+    """--n-layers, --n-heads, --d-model, --seq-len and --batch, defaulting to the default
+    model and batch (this script's and matmul_ceiling.py's)."""
+    defaults = ModelConfig()
+    for flag, default in (("--n-layers", defaults.n_layers), ("--n-heads", defaults.n_heads),
+                          ("--d-model", defaults.d_model), ("--seq-len", T), ("--batch", B)):
+        parser.add_argument(flag, type=int, default=default)
+
+
+def model_config(args, **extra) -> ModelConfig:
+    return ModelConfig(n_layers=args.n_layers, n_heads=args.n_heads, d_model=args.d_model, seq_len=args.seq_len,
+                       **extra)
+
+
 def main():
     global REPS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=REPS)
     p.add_argument("--json-only", action="store_true")
     p.add_argument("--glibc-malloc-defaults", action="store_true", help="skip the malloc tuning of numpitron.runtime")
-    defaults = ModelConfig()
-    for flag, default in (("--n-layers", defaults.n_layers), ("--n-heads", defaults.n_heads),
-                          ("--d-model", defaults.d_model), ("--seq-len", T), ("--batch", B)):
-        p.add_argument(flag, type=int, default=default)
+    add_model_flags(p)
     args = p.parse_args()
     REPS = args.reps
-    cfg = ModelConfig(n_layers=args.n_layers, n_heads=args.n_heads, d_model=args.d_model, seq_len=args.seq_len)
+    cfg = model_config(args)
     batch, seq_len = args.batch, args.seq_len
     trainer = Trainer(cfg, ParallelConfig(), TrainConfig(micro_batch_size=batch, warmup_iters=0), Topology.serial())
     model, L = trainer.model, cfg.n_layers

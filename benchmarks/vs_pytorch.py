@@ -46,17 +46,17 @@ def runs(cfg: dict, iters: int) -> dict:
     ours = [str(BIN / "python"), "benchmarks/benchmark.py", f"--global-batch-size={cfg['batch']}",
             f"--iters={iters}", *model_flags(cfg)]
     two = [str(BIN / "mpiexec"), "-n", "2"] + ours
+    dp2 = two + ["--data-parallel-size=2", f"--micro-batch-size={cfg['batch'] // 2}"]
     ceiling = [str(BIN / "python"), "benchmarks/matmul_ceiling.py", f"--batch={cfg['batch']}", *model_flags(cfg)]
     return {
         "numpitron's matmuls alone, 1 core": ceiling,
         "pytorch, 1 thread": torch + ["--threads=1"],
         "numpitron, 1 process": ours + [f"--micro-batch-size={cfg['batch']}"],
         "pytorch, 2 threads": torch + ["--threads=2"],
-        "numpitron, dp = 2": two + ["--data-parallel-size=2", f"--micro-batch-size={cfg['batch'] // 2}"],
+        "numpitron, dp = 2": dp2,
         # ZeRO-2: each rank runs AdamW on half the parameters, and the gradients'
         # reduce-scatter moves half an all-reduce's bytes in the backward (docs/12-zero-2-and-3.md).
-        "numpitron, dp = 2, ZeRO-2": two + ["--data-parallel-size=2", f"--micro-batch-size={cfg['batch'] // 2}",
-                                            "--zero-stage=2"],
+        "numpitron, dp = 2, ZeRO-2": dp2 + ["--zero-stage=2"],
         "numpitron, tp = 2": two + ["--tensor-parallel-size=2", f"--micro-batch-size={cfg['batch']}"],
     }
 
