@@ -43,7 +43,7 @@ class ColumnParallelLinear(Layer):
         return [self.weight, self.bias]
 
     def _w(self):
-        return self.weight.data.reshape(self.weight.local_shape[0], -1)
+        return self.weight.data.reshape(self.weight.data.shape[0], -1)
 
     def forward(self, x):
         # x: (B, T, in) (or (B, T/tp, in) sequence-parallel) -> y: (B, T, out / tp)
