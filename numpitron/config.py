@@ -7,6 +7,8 @@ configuration becomes one error message and never a hang.
 import math
 from dataclasses import asdict, dataclass, fields
 
+import numpy as np
+
 from numpitron.errors import UserError
 
 DTYPES = ("float32", "float64")
@@ -32,6 +34,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes of one element of every parameter, gradient, moment and activation."""
+        return np.dtype(self.dtype).itemsize
 
     def is_moe_block(self, index: int) -> bool:
         return self.num_experts > 0 and index % self.moe_every == 0

@@ -7,10 +7,16 @@ A rank is described by its stage (pp_rank) and cp_rank; tp, dp ranks do not chan
 these figures.
 """
 
+import math
 from dataclasses import dataclass
+from functools import cache
 
 from numpitron.distributed.sharding import pad_to_multiple, pieces_of_range
+from numpitron.distributed.topology import Topology
 from numpitron.nn.activation_memory import block_activation_bytes
+from numpitron.nn.block import Block
+from numpitron.nn.embedding import PositionEmbedding, VocabParallelEmbedding
+from numpitron.nn.head import LanguageModelHead
 from numpitron.parallel.schedules import BACKWARD, FORWARD, WEIGHT_GRAD, make_schedule
 
 F64 = 8          # the loss and the squared gradient norm travel as one float64
@@ -35,37 +41,48 @@ class Rank:
         return self.stage == self.pp - 1
 
 
-def _all_reduce(nbytes: float, k: int) -> float:
-    return 2 * (k - 1) / k * nbytes
+def _all_reduce(nbytes: float, ranks: int) -> float:
+    return 2 * (ranks - 1) / ranks * nbytes
 
 
-def _half(nbytes: float, k: int) -> float:
-    """An all-gather or a reduce-scatter of a full buffer of nbytes over k ranks."""
-    return (k - 1) / k * nbytes
+def _half(nbytes: float, ranks: int) -> float:
+    """An all-gather or a reduce-scatter of a full buffer of nbytes over `ranks` ranks."""
+    return (ranks - 1) / ranks * nbytes
+
+
+@cache
+def layer_elements(d_model: int, n_heads: int, vocab_size: int, seq_len: int, tp: int) -> dict:
+    """{piece: (elements on one tp rank, of which tp-replicated)} for a block, the token
+    embedding, the position embedding and the head (its ln_f), counted from the layers'
+    own Params: built as tp rank 0 of a mesh without communicators (every tp rank holds
+    as many), never allocated."""
+    topo = Topology(None, tp, 1, 1)
+    token = VocabParallelEmbedding("embedding.token", vocab_size, d_model, topo)
+    pieces = {"block": Block("blocks.0", d_model, n_heads, 1, topo), "token": token,
+              "position": PositionEmbedding("embedding.position", seq_len, d_model),
+              "head": LanguageModelHead(token, d_model, topo)}
+    return {piece: (sum(math.prod(p.local_shape) for p in layer.parameters()),
+                    sum(math.prod(p.local_shape) for p in layer.parameters() if p.split_axis is None))
+            for piece, layer in pieces.items()}
+
+
+def _layers_of(model, tp: int) -> dict:
+    return layer_elements(model.d_model, model.n_heads, model.vocab_size, model.seq_len, tp)
 
 
 def parameter_elements(model, rank: Rank) -> tuple[int, int]:
-    """(elements of this rank's slice of its stage, of which tp-replicated)."""
-    C, k = model.d_model, rank.tp
-    per_block = 2 * C + (3 * C * C + 3 * C) // k + (C * C) // k + C + 2 * C + (4 * C * C + 4 * C) // k + 4 * C * C // k + C
-    replicated_block = 2 * C + C + 2 * C + C
-    layers = model.n_layers // rank.pp
-    total, replicated = layers * per_block, layers * replicated_block
-    if rank.first or rank.last:
-        total += pad_to_multiple(model.vocab_size, k) // k * C
-    if rank.first:
-        total += model.seq_len * C
-        replicated += model.seq_len * C
-    if rank.last:
-        total += 2 * C
-        replicated += 2 * C
-    return total, replicated
+    """(elements of this rank's slice of its stage, of which tp-replicated): its blocks,
+    the token embedding on the first and last stage (one copy each), the positions on
+    the first, ln_f on the last."""
+    layers = _layers_of(model, rank.tp)
+    pieces = ["block"] * (model.n_layers // rank.pp) + ["token"] * (rank.first or rank.last) \
+        + ["position"] * rank.first + ["head"] * rank.last
+    return sum(layers[p][0] for p in pieces), sum(layers[p][1] for p in pieces)
 
 
 def block_elements(model, tp: int) -> int:
     """One transformer block's parameters on a tp rank: the ZeRO-3 unit."""
-    C = model.d_model
-    return 2 * C + (3 * C * C + 3 * C) // tp + (C * C) // tp + C + 2 * C + (4 * C * C + 4 * C) // tp + 4 * C * C // tp + C
+    return _layers_of(model, tp)["block"][0]
 
 
 def state_bytes(model, parallel, rank: Rank) -> dict:
@@ -77,7 +94,7 @@ def state_bytes(model, parallel, rank: Rank) -> dict:
     and their gradients (stage 3: the root, and two blocks, one computing while the
     next is prefetched or the last is reduce-scattered; one without overlap). The peak
     is the sum."""
-    item, group, stage = (8 if model.dtype == "float64" else 4), rank.dp * rank.cp, parallel.zero_stage
+    item, group, stage = model.itemsize, rank.dp * rank.cp, parallel.zero_stage
     size = parameter_elements(model, rank)[0]
     if stage == 0:
         return {"params": size * item, "grads": size * item, "optimizer_state": 2 * size * item,
@@ -98,16 +115,16 @@ def chunk_activation_bytes(model, parallel, train, rank: Rank, chunk: int = 0) -
     """What one micro-batch's caches keep in one chunk of this stage (docs/09 and docs/13
     derive it): its n_layers / (p v) blocks, the embeddings in virtual stage 0, the head
     in the last."""
-    item, k, v = (8 if model.dtype == "float64" else 4), rank.tp, parallel.virtual_stages
+    item, tp, v = model.itemsize, rank.tp, parallel.virtual_stages
     B, T, C = train.micro_batch_size, model.seq_len // rank.cp, model.d_model
-    tokens, split = B * T, (k if parallel.sequence_parallel else 1)
+    tokens, split = B * T, (tp if parallel.sequence_parallel else 1)
     total = (model.n_layers // (rank.pp * v)) * block_activation_bytes(
-        B, T, C, model.n_heads, k, parallel.sequence_parallel, parallel.recompute, item, rank.cp, rank.cp_rank)
+        B, T, C, model.n_heads, tp, parallel.sequence_parallel, parallel.recompute, item, rank.cp, rank.cp_rank)
     if rank.first and chunk == 0:       # token rows (int64), owned mask (bool), the positions (int64)
         total += 9 * tokens + 8 * T
     if rank.last and chunk == v - 1:    # ln_f (x-hat, 1/std), the head's input, the loss's probabilities
         n = tokens // split
-        total += item * (2 * n * C + n + tokens * pad_to_multiple(model.vocab_size, k) // k) + 9 * tokens
+        total += item * (2 * n * C + n + tokens * pad_to_multiple(model.vocab_size, tp) // tp) + 9 * tokens
     return total
 
 
@@ -124,45 +141,45 @@ def peak_activation_bytes(model, parallel, train, rank: Rank) -> int:
 
 def comm_bytes(model, parallel, train, rank: Rank) -> dict:
     """{"<group>.<kind>": bytes} this rank moves in one training iteration."""
-    item, k, K, P = (8 if model.dtype == "float64" else 4), rank.tp, rank.cp, rank.pp
-    m, B, C, L = train.num_microbatches(rank.dp), train.micro_batch_size, model.d_model, model.n_layers // P
+    item, tp, cp, pp = model.itemsize, rank.tp, rank.cp, rank.pp
+    m, B, C, L = train.num_microbatches(rank.dp), train.micro_batch_size, model.d_model, model.n_layers // pp
     # L: blocks on this rank, all its chunks together
-    T = model.seq_len // K
+    T = model.seq_len // cp
     act, sp, full = B * T * C * item, parallel.sequence_parallel, parallel.recompute == "full"
     out = {}
 
     def add(key, nbytes):
         if nbytes:
             out[key] = out.get(key, 0.0) + nbytes
-    if k > 1:                        # per micro-batch, then times m
+    if tp > 1:                       # per micro-batch, then times m
         if sp:       # gathers and reduce-scatters along the sequence (nn/regions.py)
             gathers = L * (6 + 2 * full) + (1 if rank.first else 0) + (2 if rank.last else 0)
             scatters = L * (4 + 2 * full) + (1 if rank.first else 0) + (1 if rank.last else 0)
-            add("tp.all_gather", m * gathers * _half(act, k))
-            add("tp.reduce_scatter", m * scatters * _half(act, k))
-            add("tp.all_reduce", _all_reduce(parameter_elements(model, rank)[1] * item, k))
+            add("tp.all_gather", m * gathers * _half(act, tp))
+            add("tp.reduce_scatter", m * scatters * _half(act, tp))
+            add("tp.all_reduce", _all_reduce(parameter_elements(model, rank)[1] * item, tp))
         else:        # Megatron's f and g: all-reduces
             reduces = L * (4 + 2 * full) + (1 if rank.first else 0) + (1 if rank.last else 0)
-            add("tp.all_reduce", m * reduces * _all_reduce(act, k))
+            add("tp.all_reduce", m * reduces * _all_reduce(act, tp))
         if rank.last:                # the loss: row max, target logit, sum of exponentials
-            add("tp.all_reduce", m * 3 * _all_reduce(B * T * item, k))
-    if K > 1:                        # the ring: K, V forward; K, V and dK, dV backward
-        block = act // k
-        sends = m * L * (2 * (K - 1) * (2 + full) + 2 * K) * block
+            add("tp.all_reduce", m * 3 * _all_reduce(B * T * item, tp))
+    if cp > 1:                       # the ring: K, V forward; K, V and dK, dV backward
+        block = act // tp
+        sends = m * L * (2 * (cp - 1) * (2 + full) + 2 * cp) * block
         add("cp.send", sends)
         add("cp.recv", sends)
-    if P > 1:
-        hop = B * (T // (k if sp else 1)) * C * item
+    if pp > 1:
+        hop = B * (T // (tp if sp else 1)) * C * item
         # Each chunk sends its activations on (but the last virtual stage) and its input
         # gradient back (but virtual stage 0): interleaving multiplies the messages by v.
-        virtual = [c * P + rank.stage for c in range(parallel.virtual_stages)]
-        messages = sum((j < P * parallel.virtual_stages - 1) + (j > 0) for j in virtual)
+        virtual = [c * pp + rank.stage for c in range(parallel.virtual_stages)]
+        messages = sum((j < pp * parallel.virtual_stages - 1) + (j > 0) for j in virtual)
         add("pp.send", m * hop * messages)
         add("pp.recv", m * hop * messages)
         add("pp.broadcast", F64)     # the loss, from the last stage
         if rank.first or rank.last:  # the tied embedding's two copies
-            add("embedding.all_reduce", _all_reduce(pad_to_multiple(model.vocab_size, k) // k * C * item, 2))
-    group, elements = rank.dp * K, parameter_elements(model, rank)[0]
+            add("embedding.all_reduce", _all_reduce(_layers_of(model, tp)["token"][0] * item, 2))
+    group, elements = rank.dp * cp, parameter_elements(model, rank)[0]
     if group > 1:
         padded = pad_to_multiple(elements, group)
         if parallel.zero_stage == 0:
@@ -175,11 +192,11 @@ def comm_bytes(model, parallel, train, rank: Rank) -> dict:
             add("dp_cp.all_gather", gathered * item)
             add("dp_cp.reduce_scatter", scattered * item)
         add("dp_cp.all_reduce", _all_reduce(F64, group))          # the loss
-    world = k * K * P * rank.dp
+    world = tp * cp * pp * rank.dp
     if parallel.zero_stage >= 1:
         add("world.all_reduce", _all_reduce(F64, world) if world > 1 else 0)
-    elif k * P > 1:
-        add("model.all_reduce", _all_reduce(F64, k * P))            # the gradient norm
+    elif tp * pp > 1:
+        add("model.all_reduce", _all_reduce(F64, tp * pp))            # the gradient norm
     return out
 
 
@@ -190,8 +207,8 @@ def _zero3_elements_moved(model, rank: Rank, m: int, padded: int) -> tuple[int, 
     each block in m forwards and m backwards (gathered twice, reduced once). A single
     stage (ZeRO-3 refuses pipelines): the root is the head and the tail of the buffer."""
     group_rank, group = rank.dp_rank * rank.cp + rank.cp_rank, rank.dp * rank.cp
-    block = block_elements(model, rank.tp)
-    head = pad_to_multiple(model.vocab_size, rank.tp) // rank.tp * model.d_model + model.seq_len * model.d_model
+    pieces = _layers_of(model, rank.tp)
+    block, head = pieces["block"][0], pieces["token"][0] + pieces["position"][0]
     layers = model.n_layers
 
     def outside(a, b):

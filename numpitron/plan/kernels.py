@@ -12,10 +12,11 @@ Four kinds of work:
   because on a CPU they are bound by arithmetic, not by memory;
 * calls: every NumPy call, each paying the interpreter's fixed cost.
 
-The per-piece counts are the table below (the layers as they are with the fused
-bias-GELU of one exp per element and causal query tiles), so that a change to a layer
-changes one line here. tests/test_plan.py checks the exponentials against a real step
-and the softmax groups against the probabilities the layer keeps.
+The per-kernel counts are the kernels' own table (nn/kernel_counts.py: the fused
+bias-GELU of one exp per element, causal query tiles), so that a change to a kernel
+changes one line beside it; this module only adds them up over a step.
+tests/test_plan.py checks the exponentials against a real step and the softmax groups
+against the probabilities the layer keeps.
 """
 
 from collections import defaultdict
@@ -23,23 +24,8 @@ from dataclasses import dataclass, field
 
 from numpitron.nn.activation_memory import softmax_groups
 from numpitron.nn.functional import TILE_ELEMENTS as GELU_TILE      # elements per tile, each its own calls
+from numpitron.nn.kernel_counts import EXP_PER_ELEMENT, PASSES, SMALL_CALLS
 from numpitron.optim.adamw import CHUNK as ADAMW_CHUNK              # elements per chunk, each its own calls
-
-# (forward, backward) element-wise passes of each piece, over the array it works on.
-PASSES = {
-    "layernorm": (7, 10),        # over n x C: row sum, centre, square, row sum, scale, weight, bias /
-    #                              dy*x-hat, two column sums, two row sums, g, two subtractions, product, scale
-    "gelu": (14, 1),             # over n x 4C/tp, bias included: bias, u = s (x + a x^3) in four, 1 + e,
-    #                              1 / (1 + e), x sig, the slope from x^2, sig and y in six / dy * slope
-    "softmax": (4, 2),           # over each group's scores: max, subtract, row sum, normalise /
-    #                              dS -= D, dS *= P
-    "loss": (4, 2),              # over n x V/tp: max, subtract, sum, divide / subtract the target, scale
-    "adamw": 13,                 # over each updated element (optim/adamw.py), the decay counted as one
-    "grads": 3,                  # over the rank's gradient buffer: the norm's dot (run by run), clip, zeroing
-}
-EXP_PER_ELEMENT = {"gelu": 1, "softmax": 1, "loss": 1}      # np.exp per hidden unit, score, logit
-# NumPy calls on per-row or per-parameter vectors, besides the passes above.
-SMALL_CALLS = {"layernorm": (5, 2), "softmax_group": (4, 3), "merge": 4, "block": 12, "head": 6, "embedding": 6}
 
 
 @dataclass
@@ -131,7 +117,7 @@ def _softmax_group(w, batch, tq, tk, hd, masked, merge):
     w.mm(tq, tk, hd, batch)
     w.small(SMALL_CALLS["softmax_group"][0])
     if merge:
-        w.ew(batch * tq * hd, 3)
+        w.ew(batch * tq * hd, PASSES["merge"])
         w.small(SMALL_CALLS["merge"])
 
 
@@ -167,8 +153,7 @@ def block_work(B, T, C, H, tp, cp=1, sequence_parallel=False, recompute="none") 
         _linear(w, n, C // tp, C, forward, backward)           # output projection
         _linear(w, n, C, F, forward, backward, bias_forward=False)     # MLP up: GELU adds the bias
         _linear(w, n, F, C, forward, backward)                 # MLP down
-        # heads: split q|k|v, scale q, merge / D = rowsum(dO O) (2), dO copy, dq scale, dq|dk|dv copy (3)
-        w.ew(n * C // tp, 5 if forward else 8)
+        w.ew(n * C // tp, PASSES["heads"][0 if forward else 1])   # the heads' copies and scalings
         _gelu(w, n * F, forward, backward)
         _attention_core(w, B, T, heads, hd, cp, forward, backward, recompute_probs=recompute == "selective")
         w.small(SMALL_CALLS["block"])
@@ -191,8 +176,8 @@ def embedding_work(B, T, C, vocab_local) -> Work:
     """Token rows and positions forward; the token gradient as one-hot @ dy, the
     positions' as a column sum."""
     w, n = Work(), B * T
-    w.ew(n * C, 3)
-    w.ew(vocab_local * n, 2)                                   # the one-hot matrix
+    w.ew(n * C, PASSES["embedding"])
+    w.ew(vocab_local * n, PASSES["one_hot"])
     w.mm(vocab_local, n, C)
     w.ew(vocab_local * C + n * C)
     w.small(SMALL_CALLS["embedding"])

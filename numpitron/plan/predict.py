@@ -52,7 +52,7 @@ def plan(model, parallel, train, mesh, device) -> dict:
     # A mixed-precision device keeps activations and moves them in 16 bits: scale this
     # library's float32 accounting to it.
     scale = 0.5 if device.bytes_per_parameter else 1.0
-    itemsize = scale * (8 if model.dtype == "float64" else 4)
+    itemsize = scale * model.itemsize
     share = device.time_sharing(devices)
     stretch = share * device.pace(devices)       # time-sharing, and the pace of the slowest rank
     bubble = ideal_bubble(parallel.schedule, pp, m, parallel.virtual_stages)
@@ -61,8 +61,8 @@ def plan(model, parallel, train, mesh, device) -> dict:
         rank = Rank(tp, pp, dp, cp, stage, cp_rank=cp - 1)      # the ring's busiest rank
         state = state_bytes(model, parallel, rank)
         if device.bytes_per_parameter:                            # mixed precision on paper
-            params = state["params"] // (8 if model.dtype == "float64" else 4)
-            in_pass = {k: state[k] // (4 if model.dtype == "float32" else 8) * 2
+            params = state["params"] // model.itemsize
+            in_pass = {k: state[k] // model.itemsize * 2
                        for k in ("gathered_params_peak", "backward_grads_peak")}
             state = {"params": 2 * params, "grads": 2 * params, **in_pass,
                      "optimizer_state": (device.bytes_per_parameter - 4) * params // (dp * cp if parallel.zero_stage else 1)}
