@@ -31,7 +31,7 @@ from numpitron.nn import attention as attention_module  # noqa: E402
 from numpitron.nn.attention import ParallelAttention  # noqa: E402
 from numpitron.nn.layer import cache_nbytes  # noqa: E402
 from numpitron.nn.param import ParamStore  # noqa: E402
-from numpitron.parallel.context import contiguous_chunks, zigzag_chunks  # noqa: E402
+from numpitron.distributed.zigzag import contiguous_chunks, zigzag_chunks  # noqa: E402
 
 SPLITS = {"zigzag": zigzag_chunks, "contiguous": contiguous_chunks}
 busy = {"s": 0.0}

@@ -17,6 +17,7 @@ import numpy as np
 
 from numpitron.config import ModelConfig
 from numpitron.distributed.sharding import shard_bounds
+from numpitron.distributed.zigzag import local_positions
 from numpitron.nn.block import Block
 from numpitron.nn.embedding import Embeddings, PositionEmbedding, VocabParallelEmbedding
 from numpitron.nn.head import LanguageModelHead
@@ -27,7 +28,6 @@ from numpitron.nn.param import ParamStore
 from numpitron.nn.recompute import Recomputed
 from numpitron.nn.residency import AlwaysResident
 from numpitron.nn.regions import make_region
-from numpitron.parallel.context import local_positions
 
 TOKEN_EMBEDDING = "embedding.token.weight"
 

@@ -18,10 +18,10 @@ import numpy as np
 
 from numpitron.data.batches import global_batch
 from numpitron.distributed.agree import on_every_rank
+from numpitron.distributed.zigzag import local_positions
 from numpitron.model import GPTStage
 from numpitron.optim.distributed import step_together
 from numpitron.optim.schedule import learning_rate
-from numpitron.parallel.context import local_positions
 from numpitron.parallel.optimizer import make_optimizers
 from numpitron.parallel.pipeline import check_backward_splits, forward_only, run_schedule
 
@@ -48,7 +48,7 @@ class Trainer:
 
     def microbatches(self, tokens, stream: str, index: int):
         """This rank's share of global batch `index` of `stream`, as micro-batches: the
-        dp rank's rows, and of each row the cp rank's tokens (parallel/context.py)."""
+        dp rank's rows, and of each row the cp rank's tokens (distributed/zigzag.py)."""
         topo = self.topo
         x, y = global_batch(tokens, self.train_cfg.seed, stream, index, self.global_batch_size,
                             self.model_cfg.seq_len)

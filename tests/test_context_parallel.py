@@ -8,9 +8,9 @@ from mpi4py import MPI
 
 from numpitron.checkpoint import load_checkpoint, save_checkpoint
 from numpitron.distributed.topology import Topology
+from numpitron.distributed.zigzag import Chunk, local_positions, zigzag_chunks
 from numpitron.nn.blockwise_attention import AttentionState, attend_block, attend_block_backward, query_tiles
 from numpitron.nn.blockwise_attention import visible_keys
-from numpitron.parallel.context import Chunk, local_positions, zigzag_chunks
 from tests.harness import assert_on_every_rank, make_trainer, serial_reference, tiny_model, tiny_tokens, tiny_train
 from tests.harness import train_steps
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff

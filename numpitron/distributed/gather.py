@@ -15,10 +15,11 @@ GATHER_TAG = 77
 
 
 def saved_params(model, store=None):
-    """The parameters of `store` (default: the dense one) that are saved: all but the
-    last stage's copy of the tied token embedding (the first stage's is the same tensor)."""
-    from numpitron.model import TOKEN_EMBEDDING
-    return [p for p in (store or model.store).params if model.first or p.name != TOKEN_EMBEDDING]
+    """The parameters of `store` (default: the dense one) that are saved: all but a copy
+    of a tensor held elsewhere too, which the model marks by leaving it out of the norm
+    (`Param.in_norm`): the last stage's copy of the tied token embedding, the first
+    stage's being the same tensor."""
+    return [p for p in (store or model.store).params if p.in_norm]
 
 
 def _gather_over_tp(param, local, tp_comm):

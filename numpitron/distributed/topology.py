@@ -91,22 +91,24 @@ class Topology:
         # group (embedding group on a middle stage) passes UNDEFINED and gets None.
         # A color names the coordinates the group's members share.
         from mpi4py import MPI
-        pp, dp, cp, tp = self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank
-        D, K, T = self.dp, self.cp, self.tp
-        self.tp_comm = Comm(world.Split((pp * D + dp) * K + cp, tp), self.stats, "tp")
-        self.cp_comm = Comm(world.Split((pp * D + dp) * T + tp, cp), self.stats, "cp")
-        self.dp_comm = Comm(world.Split((pp * K + cp) * T + tp, dp), self.stats, "dp")
-        self.dp_cp_comm = Comm(world.Split(pp * T + tp, self.dp_cp_rank), self.stats, "dp_cp")
-        self.pp_comm = Comm(world.Split((dp * K + cp) * T + tp, pp), self.stats, "pp")
-        self.model_comm = Comm(world.Split(dp * K + cp, self.rank), self.stats, "model")
+        pp_rank, dp_rank, cp_rank, tp_rank = self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank
+        dp, cp, tp = self.dp, self.cp, self.tp
+        self.tp_comm = Comm(world.Split((pp_rank * dp + dp_rank) * cp + cp_rank, tp_rank), self.stats, "tp")
+        self.cp_comm = Comm(world.Split((pp_rank * dp + dp_rank) * tp + tp_rank, cp_rank), self.stats, "cp")
+        self.dp_comm = Comm(world.Split((pp_rank * cp + cp_rank) * tp + tp_rank, dp_rank), self.stats, "dp")
+        self.dp_cp_comm = Comm(world.Split(pp_rank * tp + tp_rank, self.dp_cp_rank), self.stats, "dp_cp")
+        self.pp_comm = Comm(world.Split((dp_rank * cp + cp_rank) * tp + tp_rank, pp_rank), self.stats, "pp")
+        self.model_comm = Comm(world.Split(dp_rank * cp + cp_rank, self.rank), self.stats, "model")
         on_ends = self.is_first_stage or self.is_last_stage
-        color = (dp * K + cp) * T + tp if on_ends else MPI.UNDEFINED
-        emb = world.Split(color, pp)
+        color = (dp_rank * cp + cp_rank) * tp + tp_rank if on_ends else MPI.UNDEFINED
+        emb = world.Split(color, pp_rank)
         self.embedding_comm = Comm(emb if on_ends else None, self.stats, "embedding")
-        E, e, x = self.ep, self.ep_rank, self.expert_dp_rank
-        self.ep_comm = Comm(world.Split(((pp * (D // E) + x) * K + cp) * T + tp, e), self.stats, "ep")
-        self.expert_dp_comm = Comm(world.Split(((pp * E + e) * K + cp) * T + tp, x), self.stats, "expert_dp")
-        self.expert_model_comm = Comm(world.Split(x * K + cp, self.rank), self.stats, "expert_model")
+        ep, ep_rank, expert_dp_rank = self.ep, self.ep_rank, self.expert_dp_rank
+        self.ep_comm = Comm(world.Split(((pp_rank * (dp // ep) + expert_dp_rank) * cp + cp_rank) * tp + tp_rank, ep_rank),
+                            self.stats, "ep")
+        self.expert_dp_comm = Comm(world.Split(((pp_rank * ep + ep_rank) * cp + cp_rank) * tp + tp_rank, expert_dp_rank),
+                                   self.stats, "expert_dp")
+        self.expert_model_comm = Comm(world.Split(expert_dp_rank * cp + cp_rank, self.rank), self.stats, "expert_model")
 
     @classmethod
     def serial(cls) -> "Topology":

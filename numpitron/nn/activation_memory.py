@@ -18,14 +18,14 @@ Selective recomputation drops the probabilities; full recomputation keeps only t
 block's input, n C.
 """
 
+from numpitron.distributed.zigzag import zigzag_chunks
 from numpitron.nn.blockwise_attention import query_tiles, visible_keys
-from numpitron.parallel.context import zigzag_chunks
 
 
 def softmax_groups(T: int, cp: int = 1, cp_rank: int = 0):
     """(query tile, the key chunks it sees) of every softmax group a rank computes for
     its local sequence of T tokens over a whole ring: the query tiles of its two zigzag
-    chunks (parallel/context.py) against the visible prefix of each block, exactly as
+    chunks (distributed/zigzag.py) against the visible prefix of each block, exactly as
     nn/attention.py walks them."""
     mine = query_tiles(zigzag_chunks(T, cp, cp_rank))
     for step in range(cp):

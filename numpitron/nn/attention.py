@@ -6,7 +6,7 @@ its own H/tp heads and attends without communication; the output projection is
 row-parallel and all-reduces once (Shoeybi et al. 2019, §3, Fig. 3b).
 
 Each cp rank holds two chunks of every sequence (the zigzag split of
-parallel/context.py). Its queries must see every earlier key, so the key/value
+distributed/zigzag.py). Its queries must see every earlier key, so the key/value
 blocks travel around the cp ring (Liu et al. 2023, "Ring Attention"): at step s a
 rank attends to the block of rank (r - s) mod cp while passing it on to rank r + 1,
 and folds each partial result in with the online softmax (nn/blockwise_attention.py).
@@ -22,11 +22,11 @@ import math
 
 import numpy as np
 
+from numpitron.distributed.zigzag import Chunk, zigzag_chunks
 from numpitron.nn.blockwise_attention import AttentionState, attend_block, attend_block_backward, query_tiles
 from numpitron.nn.functional import row_sums
 from numpitron.nn.layer import Layer
 from numpitron.nn.linear import ColumnParallelLinear, RowParallelLinear
-from numpitron.parallel.context import Chunk, zigzag_chunks
 
 KV_TAG, GRAD_TAG = 10, 20
 

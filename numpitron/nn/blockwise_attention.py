@@ -2,7 +2,7 @@
 softmax, so that blocks may arrive one at a time (around a context-parallel ring, or
 all at once on one rank) and the full T x T scores never need to exist together.
 
-A chunk carries the global positions of its rows (`parallel.context.Chunk`), which is
+A chunk carries the global positions of its rows (`distributed.zigzag.Chunk`), which is
 all the causal mask needs: a key is visible to a query when its position is not later.
 Queries go in tiles of at most QUERY_TILE rows (`query_tiles`), and for each tile the
 keys it can see form one softmax group: a prefix of the block's rows (its chunks are
@@ -23,8 +23,8 @@ normaliser, P = P_g exp(L_g - L), and D = rowsum(dO * O) (flash attention, Alg. 
 
 import numpy as np
 
+from numpitron.distributed.zigzag import Chunk
 from numpitron.nn.functional import softmax_lastdim_with_lse_
-from numpitron.parallel.context import Chunk
 
 _MASKS = {}
 # Query rows per tile. Smaller tiles skip more of the masked triangle but make the

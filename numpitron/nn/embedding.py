@@ -97,7 +97,7 @@ class Embeddings(Layer):
     """The first stage's input layer: token embedding + position embedding.
 
     `positions` are the global positions of the tokens this rank holds (all of them,
-    in order, unless context parallelism split the sequence: parallel/context.py);
+    in order, unless context parallelism split the sequence: distributed/zigzag.py);
     while generating, the positions after those already in the key/value cache."""
 
     def __init__(self, token: VocabParallelEmbedding, position: PositionEmbedding, positions: np.ndarray):

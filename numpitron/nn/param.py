@@ -41,7 +41,7 @@ class Param:
     std: float = 0.02
     decay: bool = True                 # AdamW weight decay (matrices and embeddings)
     logical_shape: tuple | None = None
-    in_norm: bool = True               # False for copies counted elsewhere (tied head)
+    in_norm: bool = True               # False for a copy held elsewhere too (tied head): not in the norm, not saved
     tp_rank: int = 0
     tp_size: int = 1
     data: np.ndarray = field(default=None, repr=False)

@@ -7,6 +7,9 @@ attends to every earlier key); pairing one early and one late chunk on every ran
 gives each rank the same work: 2cp + 1 (query chunk, key chunk) pairs over a whole
 ring, against 1 to 2cp - 1 pairs with a plain split into cp contiguous parts.
 With cp = 1 the rank holds both halves of the sequence, in order.
+
+It sits with the mesh, below the layers, because attention, the model's position
+embedding and the trainer's batches all ask it which positions a rank holds.
 """
 
 from typing import NamedTuple
