@@ -9,6 +9,7 @@ and MPICH then tears down the rest) than in the parent that waits for them.
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,21 @@ def data_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("data")
     shutil.copy(shakespeare_text_path(), path / "tinyshakespeare.txt")
     return path
+
+
+@pytest.fixture
+def shared_dir(request):
+    """One directory for all ranks (tmp_path differs per rank): made by rank 0 under
+    /tmp from the test's name, its path broadcast, removed once every rank is done."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    path = None
+    if comm.rank == 0:
+        path = Path(tempfile.gettempdir()) / f"numpitron-{request.node.name}-{os.getpid()}"
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+    path = Path(comm.bcast(str(path) if path else None, root=0))
+    yield path
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)

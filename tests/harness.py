@@ -1,5 +1,14 @@
-"""Helpers shared by the whole suite: tiny configs, a trainer on any mesh, k-step
-runs to compare with one process, and asserting on every rank at once."""
+"""Helpers shared by the whole suite, defined once: tiny configs, a trainer on any mesh,
+k-step runs compared with one process, asserting on every rank at once, the
+finite-difference check every layer goes through, and the training script run as a
+user runs it. Test modules import from here, never from each other."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from mpi4py import MPI
@@ -7,7 +16,10 @@ from mpi4py import MPI
 from numpitron.config import ModelConfig, ParallelConfig, TrainConfig, check_layout
 from numpitron.distributed.gather import gather_stores
 from numpitron.distributed.topology import Topology
+from numpitron.nn.param import ParamStore
 from numpitron.trainer import Trainer
+from tests.conftest import REPO
+from tests.tolerances import EQUIV_RTOL_FLOAT64, FD_ATOL, FD_EPS, FD_RTOL, rel_diff
 
 # vocab 65 pads to 68 at tp=4, so padding is exercised; 4 layers split over pp=2, 4.
 TINY = dict(vocab_size=65, seq_len=16, n_layers=4, n_heads=4, d_model=32)
@@ -60,6 +72,49 @@ def serial_reference(model_cfg, train_cfg, steps=10, tokens=None):
     return run(make_trainer(model_cfg, train_cfg, Topology.serial()), steps, tokens)
 
 
+class MeshRun(NamedTuple):
+    losses: np.ndarray
+    reference_losses: np.ndarray
+    params: dict | None        # full parameters on rank 0, None elsewhere
+    trainer: Trainer
+
+
+def check_mesh(mesh: dict, dtype="float64", rtol=EQUIV_RTOL_FLOAT64, model: dict | None = None,
+               **train_overrides) -> MeshRun:
+    """Ten iterations on `mesh` (tensor/pipeline/data/context/expert sizes, ParallelConfig
+    fields, and n_layers if not 4) against one process: losses, gradient norms and every
+    parameter (experts by their global name) within rtol on every rank. `model`:
+    ModelConfig fields beside the tiny ones."""
+    mesh, model = dict(mesh), dict(model or {})
+    if "n_layers" in mesh:
+        model["n_layers"] = mesh.pop("n_layers")
+    model_cfg, train_cfg = tiny_model(dtype, **model), tiny_train(**train_overrides)
+    losses, norms, params, trainer = run(make_trainer(model_cfg, train_cfg, **mesh))
+    ref_losses, ref_norms, ref_params, _ = serial_reference(model_cfg, train_cfg)
+    param_diff = None
+    if trainer.topo.rank == 0:
+        assert params.keys() == ref_params.keys()
+        param_diff = max(rel_diff(*comparable(k, params[k], ref_params[k], dtype)) for k in ref_params)
+    assert_close_on_every_rank({"loss": rel_diff(losses, ref_losses), "grad_norm": rel_diff(norms, ref_norms),
+                                "params": MPI.COMM_WORLD.bcast(param_diff, root=0)}, rtol)
+    return MeshRun(losses, ref_losses, params, trainer)
+
+
+def comparable(name, actual, expected, dtype):
+    """The key bias has an exactly zero gradient (softmax ignores a shift shared by a
+    row of scores, and q . b_k is one), so in float32 its gradient is pure rounding
+    noise, which Adam normalises into +-lr steps in any layout, serial included.
+    Only there, and only in float32, it is left out of the comparison."""
+    if dtype == "float32" and name.endswith("attn.qkv.bias"):
+        return actual[[0, 2]], expected[[0, 2]]
+    return actual, expected
+
+
+def mesh_id(mesh):
+    short = {"bucket_size": "bucket", "overlap_grad_reduce": "overlap", "zero_stage": "zero", "virtual_stages": "v"}
+    return "-".join(f"{short.get(k, k)}{v}" for k, v in mesh.items())
+
+
 def assert_on_every_rank(checks: dict) -> None:
     """checks: {name: bool, or (measured, expected) that must be equal}. Every rank
     learns every rank's failures before asserting, so all ranks fail together instead
@@ -81,3 +136,104 @@ def assert_close_on_every_rank(diffs: dict, rtol: float) -> None:
 def identical_over(comm, array) -> bool:
     copies = comm.mpi.allgather(array)
     return all(np.array_equal(c, copies[0]) for c in copies)
+
+
+# Every layer's backward against central finite differences (tests/test_layers.py).
+
+def make_store(params, seed=3, jitter=0.1):
+    """Initialise, then move every parameter a little away from its init so that
+    LayerNorm gains, biases and zero-initialised tensors give non-trivial gradients."""
+    store = ParamStore(params, np.float64)
+    store.initialize(seed)
+    store.data += jitter * np.random.default_rng(seed + 1).normal(size=store.size)
+    return store
+
+
+def numeric_grad(output, weights, array, indices):
+    """Central differences of L = sum(output() * weights) w.r.t. array.flat[indices]
+    (perturbed in place). The outputs are differenced before they are weighted and
+    summed, so parts of L that do not depend on the entry (a residual stream) add no
+    rounding noise."""
+    out = np.empty(len(indices))
+    for k, i in enumerate(indices):
+        old = array.flat[i]
+        array.flat[i] = old + FD_EPS
+        plus = np.array(output(), dtype=np.float64)
+        array.flat[i] = old - FD_EPS
+        minus = np.array(output(), dtype=np.float64)
+        array.flat[i] = old
+        out[k] = np.sum((plus - minus) * weights) / (2 * FD_EPS)
+    return out
+
+
+def assert_fd(name, analytic, output, weights, array, indices=None):
+    indices = np.arange(array.size) if indices is None else indices
+    numeric = numeric_grad(output, weights, array, indices)
+    np.testing.assert_allclose(np.asarray(analytic).flat[indices], numeric,
+                               rtol=FD_RTOL, atol=FD_ATOL, err_msg=name)
+    assert np.any(numeric != 0), f"{name}: finite differences are all zero, the check is vacuous"
+
+
+def check_layer(layer, x, params=None, seed=0, **context):
+    """Both halves of the backward against finite differences, and `backward` equal
+    to them bit for bit. x: the input (float: its gradient is checked too; integer
+    token ids: no gradient)."""
+    params = layer.parameters() if params is None else params
+    store = make_store(params, seed=seed + 10)
+    differentiable = np.issubdtype(x.dtype, np.floating)
+
+    def output():
+        return layer.forward(x.copy(), **context)[0]
+
+    R = np.random.default_rng(seed).normal(size=np.shape(output()))
+    store.zero_grad()
+    cache = layer.forward(x.copy(), **context)[1]
+    dx = layer.backward_input(R.copy(), cache)
+    assert not np.any(store.grad), "backward_input must leave the weight gradients alone"
+    layer.backward_weights(cache)
+    grads = store.grad.copy()
+    store.zero_grad()
+    dx_both = layer.backward(R.copy(), layer.forward(x.copy(), **context)[1])
+    assert np.array_equal(store.grad, grads), "backward must equal backward_input + backward_weights"
+    if differentiable:
+        assert dx.shape == x.shape and np.array_equal(dx, dx_both)
+        assert_fd("dx", dx, output, R, x)
+    else:
+        assert dx is None and dx_both is None
+    for p in params:
+        assert_fd(p.name, store.view(grads, p.name), output, R, p.data)
+
+
+def rand_x(shape=(2, 5, 8), seed=1):
+    """A float64 activation, (B, T, C) = (2, 5, 8) unless told."""
+    return np.random.default_rng(seed).normal(size=shape)
+
+
+# The training script as a user runs it (tests/test_cli.py, test_faults.py, ...).
+
+PYTHON = sys.executable
+MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
+TINY_FLAGS = ["--n-layers", "2", "--n-heads", "2", "--d-model", "32", "--seq-len", "16", "--micro-batch-size", "4",
+              "--dtype", "float64", "--eval-iters", "2", "--eval-interval", "5", "--log-interval", "1",
+              "--warmup-iters", "3", "--no-progress"]
+
+
+def run_script(args, nprocs=None, timeout=120, script="train_shakespeare.py", env=None):
+    cmd = ([MPIEXEC, "-n", str(nprocs)] if nprocs else []) + [PYTHON, str(REPO / script)] + args
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env={**os.environ, **(env or {})})
+
+
+def train_script(data_dir, out_dir, *extra, nprocs=None):
+    """train_shakespeare.py on the tiny model, from data_dir into out_dir."""
+    return run_script(TINY_FLAGS + ["--data-dir", str(data_dir), "--out-dir", str(out_dir), *extra], nprocs=nprocs)
+
+
+def logged_losses(out_dir):
+    """{iteration: training loss} from a run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["iter"]: r["train_loss"] for r in rows}
+
+
+def error_lines(stderr):
+    return [line for line in stderr.splitlines() if "error" in line.lower()]

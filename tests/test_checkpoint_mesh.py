@@ -5,11 +5,6 @@ loads and continues; the losses must be those of one uninterrupted serial run
 (computed inside every rank: a serial Trainer communicates with nobody).
 """
 
-import os
-import shutil
-import tempfile
-from pathlib import Path
-
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -36,23 +31,6 @@ def train_cfg(micro_batch_size=2) -> TrainConfig:
 def mesh_trainer(tensor=1, pipeline=1, data=1, zero_stage=0, micro_batch_size=2) -> Trainer:
     return make_trainer(MODEL, train_cfg(micro_batch_size), tensor=tensor, pipeline=pipeline, data=data,
                         zero_stage=zero_stage)
-
-
-@pytest.fixture
-def shared_dir(request):
-    """One directory for all ranks (tmp_path differs per rank): made by rank 0 under
-    /tmp from the test's name, its path broadcast, removed once every rank is done."""
-    comm = MPI.COMM_WORLD
-    path = None
-    if comm.rank == 0:
-        path = Path(tempfile.gettempdir()) / f"numpitron-{request.node.name}-{os.getpid()}"
-        shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(parents=True)
-    path = Path(comm.bcast(str(path) if path else None, root=0))
-    yield path
-    comm.barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def full_state(trainer: Trainer) -> dict | None:

@@ -6,43 +6,16 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO
-
-PYTHON = sys.executable
-MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
-TINY = ["--n-layers", "2", "--n-heads", "2", "--d-model", "32", "--seq-len", "16", "--micro-batch-size", "4",
-        "--dtype", "float64", "--eval-iters", "2", "--eval-interval", "5", "--log-interval", "1",
-        "--warmup-iters", "3", "--no-progress"]
-
-
-def run(args, nprocs=None, timeout=120, script="train_shakespeare.py", env=None):
-    cmd = ([MPIEXEC, "-n", str(nprocs)] if nprocs else []) + [PYTHON, str(REPO / script)] + args
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env={**os.environ, **(env or {})})
-
-
-def train(data_dir, out_dir, *extra, nprocs=None):
-    return run(TINY + ["--data-dir", str(data_dir), "--out-dir", str(out_dir), *extra], nprocs=nprocs)
-
-
-def losses(out_dir):
-    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["iter"]: r["train_loss"] for r in rows}
-
-
-def error_lines(stderr):
-    return [line for line in stderr.splitlines() if "error" in line.lower()]
-
+from tests.harness import PYTHON, TINY_FLAGS, error_lines, logged_losses, run_script, train_script
 
 def test_abort_on_one_rank_ends_every_rank_quickly():
     start = time.monotonic()
-    result = run([], nprocs=4, script="tests/scripts/fail_on_rank.py", timeout=30)
+    result = run_script([], nprocs=4, script="tests/scripts/fail_on_rank.py", timeout=30)
     elapsed = time.monotonic() - start
     assert result.returncode != 0
     assert elapsed < 10, elapsed
@@ -63,14 +36,14 @@ def test_abort_on_one_rank_ends_every_rank_quickly():
     (["--pipeline-schedule", "interleaved", "--virtual-stages", "2"], "it needs --pipeline-parallel-size 2 or more"),
 ])
 def test_bad_input_is_one_line_and_nonzero(args, message):
-    result = run(args + ["--max-iters", "1", "--no-progress"])
+    result = run_script(args + ["--max-iters", "1", "--no-progress"])
     assert result.returncode != 0
     assert message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 def test_zero3_with_a_pipeline_is_refused_in_one_line():
-    result = run(["--pipeline-parallel-size", "2", "--zero-stage", "3", "--no-progress"], nprocs=2, timeout=30)
+    result = run_script(["--pipeline-parallel-size", "2", "--zero-stage", "3", "--no-progress"], nprocs=2, timeout=30)
     assert result.returncode != 0
     assert "again for every micro-batch" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -78,45 +51,46 @@ def test_zero3_with_a_pipeline_is_refused_in_one_line():
 
 def test_bad_config_on_four_ranks_is_reported_once():
     start = time.monotonic()
-    result = run(["--n-heads", "3", "--no-progress"], nprocs=4, timeout=30)
+    result = run_script(["--n-heads", "3", "--no-progress"], nprocs=4, timeout=30)
     assert result.returncode != 0
     assert time.monotonic() - start < 10
     assert len([l for l in result.stderr.splitlines() if "must be divisible by n_heads" in l]) == 1, result.stderr
 
 
 def test_world_that_does_not_factor_is_an_error(data_dir, tmp_path):
-    result = train(data_dir, tmp_path, "--tensor-parallel-size", "2", "--max-iters", "1", nprocs=3)
+    result = train_script(data_dir, tmp_path, "--tensor-parallel-size", "2", "--max-iters", "1", nprocs=3)
     assert result.returncode != 0
     assert "world size 3 is not divisible by tensor x context x pipeline parallel size" in result.stderr
 
 
 def test_resume_gives_the_same_losses_as_an_uninterrupted_run(data_dir, tmp_path):
     full, cut = tmp_path / "full", tmp_path / "cut"
-    assert train(data_dir, full, "--max-iters", "12", "--save-interval", "6", "--keep-checkpoints", "10").returncode == 0
-    first = train(data_dir, cut, "--max-iters", "12", "--save-interval", "6", "--keep-checkpoints", "10")
+    twelve = ["--max-iters", "12", "--save-interval", "6", "--keep-checkpoints", "10"]
+    assert train_script(data_dir, full, *twelve).returncode == 0
+    first = train_script(data_dir, cut, *twelve)
     assert first.returncode == 0
     # Keep only the iteration-6 checkpoint, as if the run had stopped there.
     for ckpt in (cut / "checkpoints").glob("iter_*"):
         if ckpt.name != "iter_000006":
             shutil.rmtree(ckpt)
     (cut / "checkpoints" / "latest").unlink()
-    resumed = train(data_dir, cut, "--max-iters", "12", "--save-interval", "6", "--keep-checkpoints", "10", "--resume")
+    resumed = train_script(data_dir, cut, *twelve, "--resume")
     assert resumed.returncode == 0, resumed.stderr
-    assert losses(cut) == losses(full)        # float64: exactly equal
+    assert logged_losses(cut) == logged_losses(full)        # float64: exactly equal
 
 
 def test_resume_without_checkpoint_is_an_error(data_dir, tmp_path):
-    result = train(data_dir, tmp_path, "--max-iters", "2", "--resume")
+    result = train_script(data_dir, tmp_path, "--max-iters", "2", "--resume")
     assert result.returncode != 0 and "no checkpoint" in result.stderr
 
 
 def test_corrupt_checkpoint_on_resume_is_one_line_on_two_ranks(data_dir, tmp_path):
-    assert train(data_dir, tmp_path, "--max-iters", "5").returncode == 0
+    assert train_script(data_dir, tmp_path, "--max-iters", "5").returncode == 0
     victim = sorted((tmp_path / "checkpoints").glob("iter_*/shards/rank-*.bin"))[0]
     raw = bytearray(victim.read_bytes())
     raw[-1] ^= 0xFF
     victim.write_bytes(bytes(raw))
-    result = train(data_dir, tmp_path, "--max-iters", "8", "--resume", "--data-parallel-size", "2", nprocs=2)
+    result = train_script(data_dir, tmp_path, "--max-iters", "8", "--resume", "--data-parallel-size", "2", nprocs=2)
     assert result.returncode != 0
     assert len(error_lines(result.stderr)) == 1, result.stderr
     assert "checksum" in result.stderr
@@ -126,9 +100,9 @@ def test_corrupt_checkpoint_on_resume_is_one_line_on_two_ranks(data_dir, tmp_pat
 def test_killed_run_resumes_to_the_same_losses(data_dir, tmp_path, moment):
     reference, victim = tmp_path / "reference", tmp_path / "victim"
     args = ["--max-iters", "30", "--save-interval", "4", "--eval-interval", "10"]
-    assert train(data_dir, reference, *args).returncode == 0
+    assert train_script(data_dir, reference, *args).returncode == 0
     marker = tmp_path / "saving"
-    cmd = [PYTHON, str(REPO / "tests/scripts/train_slow_save.py")] + TINY + [
+    cmd = [PYTHON, str(REPO / "tests/scripts/train_slow_save.py")] + TINY_FLAGS + [
         "--data-dir", str(data_dir), "--out-dir", str(victim)] + args
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "SLOW_SAVE_MARKER": str(marker)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -146,13 +120,13 @@ def test_killed_run_resumes_to_the_same_losses(data_dir, tmp_path, moment):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    resumed = train(data_dir, victim, *args, "--resume")
+    resumed = train_script(data_dir, victim, *args, "--resume")
     assert resumed.returncode == 0, resumed.stderr
-    assert losses(victim) == losses(reference)
+    assert logged_losses(victim) == logged_losses(reference)
 
 
 def losses_if_any(out_dir):
     try:
-        return losses(out_dir)
+        return logged_losses(out_dir)
     except (FileNotFoundError, json.JSONDecodeError):
         return {}

@@ -7,13 +7,13 @@ import shutil
 
 import pytest
 
-from tests.test_cli import TINY, run, train
+from tests.harness import TINY_FLAGS, run_script, train_script
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, data_dir):
     out = tmp_path_factory.mktemp("trained")
-    assert train(data_dir, out, "--max-iters", "2").returncode == 0
+    assert train_script(data_dir, out, "--max-iters", "2").returncode == 0
     return out
 
 
@@ -73,15 +73,15 @@ def test_damaged_checkpoint_fails_resume_and_sampling_with_one_line(data_dir, vi
     harm, fragment = DAMAGE[damage]
     harm(ckpt)
     before = {p.name: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
-    resumed = train(data_dir, out, "--max-iters", "4", "--resume")
+    resumed = train_script(data_dir, out, "--max-iters", "4", "--resume")
     assert_one_line_error(resumed, fragment)
-    sampled = run(["--out-dir", str(out), "--max-new-tokens", "5"], script="sample.py")
+    sampled = run_script(["--out-dir", str(out), "--max-new-tokens", "5"], script="sample.py")
     assert_one_line_error(sampled, fragment)
     assert {p.name: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == before
 
 
 def test_model_flags_that_disagree_with_the_checkpoint(data_dir, victim):
     out, _ = victim
-    flags = [a if a != "32" else "64" for a in TINY]          # --d-model 64 instead of 32
-    result = run(flags + ["--data-dir", str(data_dir), "--out-dir", str(out), "--max-iters", "4", "--resume"])
+    flags = [a if a != "32" else "64" for a in TINY_FLAGS]          # --d-model 64 instead of 32
+    result = run_script(flags + ["--data-dir", str(data_dir), "--out-dir", str(out), "--max-iters", "4", "--resume"])
     assert_one_line_error(result, "checkpoint model config differs from the flags: d_model 32 != 64")

@@ -82,7 +82,7 @@ def test_data_parallel_zero0_and_zero1_volume():
 
 
 @pytest.mark.parallel(nprocs=2)
-def test_tensor_parallel_volume():
+def test_tensor_parallel_bytes_match_the_formula_in_both_dtypes():
     checks = {}
     for dtype in ("float64", "float32"):
         trainer = make_trainer(dtype, tensor=2)

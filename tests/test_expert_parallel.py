@@ -12,30 +12,21 @@ from mpi4py import MPI
 from numpitron.checkpoint import load_checkpoint, save_checkpoint
 from numpitron.distributed.topology import Topology
 from numpitron.nn.moe import MixtureOfExperts
-from tests.harness import (assert_close_on_every_rank, assert_on_every_rank, identical_over, make_trainer, run,
-                           serial_reference, tiny_model, tiny_train, train_steps)
-from tests.test_checkpoint_mesh import shared_dir  # noqa: F401  (a fixture)
-from tests.test_cli import losses as logged_losses, run as run_script, TINY as CLI_TINY
-from tests.test_layers import make_store, rand_x
+from tests.harness import (TINY_FLAGS, assert_on_every_rank, check_mesh, error_lines, identical_over, logged_losses,
+                           make_store, make_trainer, rand_x, run_script, tiny_model, tiny_train, train_steps)
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
 MOE = dict(num_experts=4, moe_top_k=2)
 
 
 def check_moe_mesh(mesh: dict, **model_overrides):
-    """Losses, gradient norms and every parameter (experts by their global name) of a
-    mesh against one process with the same experts."""
-    model_cfg, train_cfg = tiny_model(**{**MOE, **model_overrides}), tiny_train()
-    losses, norms, params, trainer = run(make_trainer(model_cfg, train_cfg, **mesh))
-    ref_losses, ref_norms, ref_params, _ = serial_reference(model_cfg, train_cfg)
-    param_diff = None
-    if trainer.topo.rank == 0:
-        assert params.keys() == ref_params.keys()
-        assert sum(".experts." in k for k in params) == 4 * 4 * model_cfg.n_layers // model_cfg.moe_every
-        param_diff = max(rel_diff(params[k], ref_params[k]) for k in ref_params)
-    assert_close_on_every_rank({"loss": rel_diff(losses, ref_losses), "grad_norm": rel_diff(norms, ref_norms),
-                                "params": MPI.COMM_WORLD.bcast(param_diff, root=0)}, EQUIV_RTOL_FLOAT64)
-    return trainer
+    """check_mesh with experts: every parameter compared by its global name, every
+    expert of every MoE block among them."""
+    result = check_mesh(mesh, model={**MOE, **model_overrides})
+    if result.params is not None:
+        model_cfg = result.trainer.model_cfg
+        assert sum(".experts." in k for k in result.params) == 4 * 4 * model_cfg.n_layers // model_cfg.moe_every
+    return result.trainer
 
 
 TWO_RANKS = [(dict(data=2, expert=2), {}),
@@ -102,7 +93,7 @@ def test_all_to_all_bytes_match_the_routing():
 
 
 @pytest.mark.parallel(nprocs=2)
-def test_checkpoints_move_between_ep2_and_ep1(shared_dir):  # noqa: F811
+def test_checkpoints_move_between_ep2_and_ep1(shared_dir):
     model_cfg, train_cfg = tiny_model(n_layers=2, n_heads=2, **MOE, moe_capacity_factor=1.0), tiny_train()
     tokens = np.random.default_rng(0).integers(0, 65, 5000).astype(np.uint16)
     expected = train_steps(make_trainer(model_cfg, train_cfg, Topology.serial()), 6, tokens)
@@ -122,7 +113,7 @@ def test_checkpoints_move_between_ep2_and_ep1(shared_dir):  # noqa: F811
 def test_train_on_ep2_then_sample_and_bad_input_is_one_line(data_dir, tmp_path):
     out = tmp_path / "out"
     moe = ["--num-experts", "4", "--moe-top-k", "2", "--moe-capacity-factor", "1.0", "--moe-every", "2"]
-    common = CLI_TINY + moe + ["--data-dir", str(data_dir), "--out-dir", str(out)]
+    common = TINY_FLAGS + moe + ["--data-dir", str(data_dir), "--out-dir", str(out)]
     trained = run_script(common + ["--max-iters", "4", "--expert-parallel-size", "2"], nprocs=2)
     assert trained.returncode == 0, trained.stderr[-2000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -134,6 +125,6 @@ def test_train_on_ep2_then_sample_and_bad_input_is_one_line(data_dir, tmp_path):
                          script="sample.py")
     assert sampled.returncode == 0 and sampled.stdout.startswith("ROMEO:"), sampled.stderr[-2000:]
     bad = run_script(common + ["--max-iters", "1", "--num-experts", "3", "--expert-parallel-size", "2"], nprocs=2)
-    errors = [line for line in bad.stderr.splitlines() if "error" in line.lower()]
+    errors = error_lines(bad.stderr)
     assert bad.returncode != 0 and len(errors) == 1, bad.stderr
     assert "--num-experts (3) must be divisible by the expert-parallel size (2)" in errors[0]

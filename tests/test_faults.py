@@ -16,9 +16,9 @@ import pytest
 
 from numpitron.checkpoint import latest_checkpoint
 from tests.conftest import REPO
-from tests.test_cli import PYTHON, TINY, error_lines, losses, run, train
+from tests.harness import PYTHON, TINY_FLAGS, error_lines, logged_losses, run_script, train_script
 
-TRAIN = TINY + ["--eval-interval", "4"]
+TRAIN = TINY_FLAGS + ["--eval-interval", "4"]
 
 
 def snapshot(root: Path) -> dict:
@@ -37,7 +37,7 @@ def one_line_error(result, fragment: str):
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, data_dir):
     out = tmp_path_factory.mktemp("run")
-    assert train(data_dir, out, "--max-iters", "4").returncode == 0
+    assert train_script(data_dir, out, "--max-iters", "4").returncode == 0
     return out
 
 
@@ -47,12 +47,12 @@ def test_a_fresh_run_into_a_used_out_dir_is_refused_and_overwrite_replaces_only_
     subprocess.run(["cp", "-r", str(finished_run), str(out)], check=True)
     (out / "notes.txt").write_text("keep me")
     before = snapshot(out)
-    result = train(data_dir, out, "--max-iters", "3", nprocs=2)
+    result = train_script(data_dir, out, "--max-iters", "3", nprocs=2)
     one_line_error(result, "already holds a run")
     assert "--resume" in result.stderr and "--overwrite" in result.stderr
     assert snapshot(out) == before
-    assert train(data_dir, out, "--max-iters", "3", "--overwrite").returncode == 0
-    assert sorted(losses(out)) == [1, 2, 3] and (out / "notes.txt").read_text() == "keep me"
+    assert train_script(data_dir, out, "--max-iters", "3", "--overwrite").returncode == 0
+    assert sorted(logged_losses(out)) == [1, 2, 3] and (out / "notes.txt").read_text() == "keep me"
 
 
 @pytest.mark.parametrize("damage, fragment", [
@@ -63,7 +63,7 @@ def test_a_fresh_run_into_a_used_out_dir_is_refused_and_overwrite_replaces_only_
 def test_damaged_prepared_data_is_refused_naming_the_file(data_dir, tmp_path, damage, fragment):
     data = tmp_path / "data"
     subprocess.run(["cp", "-r", str(data_dir), str(data)], check=True)
-    assert train(data, tmp_path / "first", "--max-iters", "1").returncode == 0      # prepares data/
+    assert train_script(data, tmp_path / "first", "--max-iters", "1").returncode == 0      # prepares data/
     if damage == "id out of range":
         ids = np.fromfile(data / "train.bin", np.uint16)
         ids[100] = 900
@@ -75,7 +75,7 @@ def test_damaged_prepared_data_is_refused_naming_the_file(data_dir, tmp_path, da
     else:
         np.fromfile(data / "val.bin", np.uint16)[:10].tofile(data / "val.bin")
     before = snapshot(data)
-    one_line_error(train(data, tmp_path / "second", "--max-iters", "1", nprocs=2), fragment)
+    one_line_error(train_script(data, tmp_path / "second", "--max-iters", "1", nprocs=2), fragment)
     assert snapshot(data) == before
 
 
@@ -91,13 +91,13 @@ def test_damaged_prepared_data_is_refused_naming_the_file(data_dir, tmp_path, da
     (["--seq-len", "100000"], "GiB per rank"),
 ])
 def test_nonsense_numbers_are_one_line_from_one_rank(data_dir, tmp_path, flags, fragment):
-    one_line_error(train(data_dir, tmp_path, "--max-iters", "2", *flags, nprocs=2), fragment)
+    one_line_error(train_script(data_dir, tmp_path, "--max-iters", "2", *flags, nprocs=2), fragment)
 
 
 def test_an_out_dir_that_cannot_be_written_is_one_line(data_dir, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    one_line_error(train(data_dir, blocker / "out", "--max-iters", "1"), "cannot write to --out-dir")
+    one_line_error(train_script(data_dir, blocker / "out", "--max-iters", "1"), "cannot write to --out-dir")
 
 
 def test_a_checkpoint_with_nan_or_a_mistyped_config_is_refused_by_sample_and_resume(finished_run, data_dir,
@@ -118,13 +118,13 @@ def test_a_checkpoint_with_nan_or_a_mistyped_config_is_refused_by_sample_and_res
     manifest["files"][piece["file"]]["crc32"] = file_checksum(shard)
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     before = snapshot(out)
-    one_line_error(run(["--out-dir", str(out)], script="sample.py", nprocs=2), "NaN or infinite")
-    one_line_error(train(data_dir, out, "--max-iters", "6", "--resume"), "NaN or infinite")
+    one_line_error(run_script(["--out-dir", str(out)], script="sample.py", nprocs=2), "NaN or infinite")
+    one_line_error(train_script(data_dir, out, "--max-iters", "6", "--resume"), "NaN or infinite")
     manifest["model_config"]["d_model"] = "32"
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     before = snapshot(out)
-    one_line_error(run(["--out-dir", str(out)], script="sample.py", nprocs=2), "d-model must be an integer")
-    one_line_error(train(data_dir, out, "--max-iters", "6", "--resume"), "d_model is '32' (str)")
+    one_line_error(run_script(["--out-dir", str(out)], script="sample.py", nprocs=2), "d-model must be an integer")
+    one_line_error(train_script(data_dir, out, "--max-iters", "6", "--resume"), "d_model is '32' (str)")
     assert snapshot(out) == before
 
 
@@ -148,10 +148,10 @@ def test_a_partial_metrics_line_is_dropped_on_resume_with_one_note(finished_run,
     subprocess.run(["cp", "-r", str(finished_run), str(out)], check=True)
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"iter": 5, "train_lo')                  # a row cut short by a kill
-    result = train(data_dir, out, "--max-iters", "6", "--resume")
+    result = train_script(data_dir, out, "--max-iters", "6", "--resume")
     assert result.returncode == 0, result.stderr
     assert "dropped 1 unreadable line" in result.stdout
-    assert sorted(losses(out)) == [1, 2, 3, 4, 5, 6]
+    assert sorted(logged_losses(out)) == [1, 2, 3, 4, 5, 6]
 
 
 def kill_loop_args(data_dir, out):
@@ -169,7 +169,7 @@ def test_random_kills_during_saves_and_prunes_always_resume_exactly(data_dir, tm
     (--resume once a checkpoint exists). The finished run has the uninterrupted run's
     float64 losses and its whole metrics history."""
     reference = tmp_path / "reference"
-    assert run(kill_loop_args(data_dir, reference)).returncode == 0
+    assert run_script(kill_loop_args(data_dir, reference)).returncode == 0
     victim, rng, kills, start_over, inside_io = tmp_path / "victim", random.Random(1234), 0, False, 0
     script = [PYTHON, str(REPO / "tests/scripts/train_slow_io.py")]
     while kills < 20:
@@ -186,7 +186,7 @@ def test_random_kills_during_saves_and_prunes_always_resume_exactly(data_dir, tm
         proc.wait()
         kills += 1
         inside_io += bool(busy)                        # a save or a prune was under way
-    resumed = run(kill_loop_args(data_dir, victim) + (["--resume"] if latest_checkpoint(victim / "checkpoints")
+    resumed = run_script(kill_loop_args(data_dir, victim) + (["--resume"] if latest_checkpoint(victim / "checkpoints")
                                                       else ["--overwrite"]))
     assert resumed.returncode == 0, resumed.stderr
     assert metrics_history(victim) == metrics_history(reference)
@@ -199,7 +199,7 @@ def test_resume_clears_a_half_deleted_checkpoint_left_by_an_older_version(finish
     half = out / "checkpoints" / "iter_000001" / "params"
     half.mkdir(parents=True)
     np.save(half / "ln_f.weight.npy", np.ones(3))
-    result = train(data_dir, out, "--max-iters", "6", "--resume")
+    result = train_script(data_dir, out, "--max-iters", "6", "--resume")
     assert result.returncode == 0, result.stderr
     assert "iter_000001" in result.stdout and "interrupted" in result.stdout
     assert not (out / "checkpoints" / "iter_000001").exists()
@@ -210,7 +210,7 @@ def test_an_agreed_error_exits_cleanly_without_leaving_shared_memory_behind(tmp_
     /dev/shm segment, and stderr holds the one line and nothing from the launcher."""
     shm = Path("/dev/shm")
     before = set(shm.glob("mpich_shm_*")) if shm.is_dir() else set()
-    result = run(["--n-heads", "3", "--out-dir", str(tmp_path)], nprocs=2, timeout=60)
+    result = run_script(["--n-heads", "3", "--out-dir", str(tmp_path)], nprocs=2, timeout=60)
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == ["error: d_model (128) must be divisible by n_heads (3)"]
     if shm.is_dir():

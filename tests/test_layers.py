@@ -28,81 +28,13 @@ from numpitron.nn.layer import cache_nbytes
 from numpitron.nn.layernorm import LayerNorm
 from numpitron.nn.linear import ColumnParallelLinear, RowParallelLinear
 from numpitron.nn.mlp import ParallelMLP
-from numpitron.nn.param import ParamStore
 from numpitron.nn.recompute import Recomputed
-from tests.tolerances import EQUIV_RTOL_FLOAT64, FD_ATOL, FD_EPS, FD_RTOL, rel_diff
+from tests.harness import assert_fd, check_layer, make_store, rand_x
+from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
-B, T, C, H = 2, 5, 8, 2
+B, T, C, H = 2, 5, 8, 2          # (B, T, C): the shape rand_x draws unless told
 V = 11
 SERIAL = Topology.serial()
-
-
-def make_store(params, seed=3, jitter=0.1):
-    """Initialise, then move every parameter a little away from its init so that
-    LayerNorm gains, biases and zero-initialised tensors give non-trivial gradients."""
-    store = ParamStore(params, np.float64)
-    store.initialize(seed)
-    store.data += jitter * np.random.default_rng(seed + 1).normal(size=store.size)
-    return store
-
-
-def numeric_grad(output, weights, array, indices):
-    """Central differences of L = sum(output() * weights) w.r.t. array.flat[indices]
-    (perturbed in place). The outputs are differenced before they are weighted and
-    summed, so parts of L that do not depend on the entry (a residual stream) add no
-    rounding noise."""
-    out = np.empty(len(indices))
-    for k, i in enumerate(indices):
-        old = array.flat[i]
-        array.flat[i] = old + FD_EPS
-        plus = np.array(output(), dtype=np.float64)
-        array.flat[i] = old - FD_EPS
-        minus = np.array(output(), dtype=np.float64)
-        array.flat[i] = old
-        out[k] = np.sum((plus - minus) * weights) / (2 * FD_EPS)
-    return out
-
-
-def assert_fd(name, analytic, output, weights, array, indices=None):
-    indices = np.arange(array.size) if indices is None else indices
-    numeric = numeric_grad(output, weights, array, indices)
-    np.testing.assert_allclose(np.asarray(analytic).flat[indices], numeric,
-                               rtol=FD_RTOL, atol=FD_ATOL, err_msg=name)
-    assert np.any(numeric != 0), f"{name}: finite differences are all zero, the check is vacuous"
-
-
-def check_layer(layer, x, params=None, seed=0, **context):
-    """Both halves of the backward against finite differences, and `backward` equal
-    to them bit for bit. x: the input (float: its gradient is checked too; integer
-    token ids: no gradient)."""
-    params = layer.parameters() if params is None else params
-    store = make_store(params, seed=seed + 10)
-    differentiable = np.issubdtype(x.dtype, np.floating)
-
-    def output():
-        return layer.forward(x.copy(), **context)[0]
-
-    R = np.random.default_rng(seed).normal(size=np.shape(output()))
-    store.zero_grad()
-    cache = layer.forward(x.copy(), **context)[1]
-    dx = layer.backward_input(R.copy(), cache)
-    assert not np.any(store.grad), "backward_input must leave the weight gradients alone"
-    layer.backward_weights(cache)
-    grads = store.grad.copy()
-    store.zero_grad()
-    dx_both = layer.backward(R.copy(), layer.forward(x.copy(), **context)[1])
-    assert np.array_equal(store.grad, grads), "backward must equal backward_input + backward_weights"
-    if differentiable:
-        assert dx.shape == x.shape and np.array_equal(dx, dx_both)
-        assert_fd("dx", dx, output, R, x)
-    else:
-        assert dx is None and dx_both is None
-    for p in params:
-        assert_fd(p.name, store.view(grads, p.name), output, R, p.data)
-
-
-def rand_x(shape=(B, T, C), seed=1):
-    return np.random.default_rng(seed).normal(size=shape)
 
 
 def token_ids(seed=2):
@@ -111,7 +43,7 @@ def token_ids(seed=2):
     return ids
 
 
-def test_layernorm():
+def test_layernorm_backward_matches_finite_differences():
     check_layer(LayerNorm("ln", C), rand_x())
 
 
@@ -127,15 +59,15 @@ def test_column_parallel_linear_groups_1_and_3():
         assert rel_diff(y, expected) <= EQUIV_RTOL_FLOAT64
 
 
-def test_row_parallel_linear():
+def test_row_parallel_linear_backward_matches_finite_differences():
     check_layer(RowParallelLinear("row", 12, C, SERIAL), rand_x((B, T, 12)))
 
 
-def test_mlp():
+def test_mlp_backward_matches_finite_differences():
     check_layer(ParallelMLP("mlp", C, SERIAL, out_std=0.3), rand_x())
 
 
-def test_attention():
+def test_attention_backward_matches_finite_differences():
     check_layer(ParallelAttention("attn", C, H, SERIAL, out_std=0.3), rand_x())
 
 
@@ -152,7 +84,7 @@ def test_attention_is_causal():
         assert not np.allclose(y2[:, t + 1:], y[:, t + 1:]), "later positions must see the change"
 
 
-def test_block():
+def test_block_backward_matches_finite_differences():
     check_layer(Block("blocks.0", C, H, 2, SERIAL), rand_x())
 
 
@@ -178,7 +110,7 @@ def test_recomputed_block_and_attention_without_kept_probabilities():
     check_layer(ParallelAttention("attn", C, H, SERIAL, out_std=0.3, keep_probs=False), rand_x())
 
 
-def test_embeddings():
+def test_embeddings_backward_matches_finite_differences_with_positions_out_of_order():
     token = VocabParallelEmbedding("tok", V, C, SERIAL)
     check_layer(token, token_ids())
     pos = PositionEmbedding("pos", T + 3, C)  # longer table than T: unused rows get no grad
@@ -189,19 +121,19 @@ def test_embeddings():
                 token_ids())
 
 
-def test_tied_lm_head():
+def test_tied_head_backward_matches_finite_differences():
     emb = VocabParallelEmbedding("tok", V, C, SERIAL)
     check_layer(TiedLMHead(emb), rand_x(), params=emb.parameters())
 
 
-def test_language_model_head_loss():
+def test_head_and_loss_backward_matches_finite_differences():
     emb = VocabParallelEmbedding("tok", V, C, SERIAL)
     head = LanguageModelHead(emb, C, SERIAL)
     targets = token_ids(seed=4)
     check_layer(head, rand_x(), params=emb.parameters() + head.parameters(), targets=targets)
 
 
-def test_cross_entropy_gradient():
+def test_cross_entropy_gradient_matches_finite_differences():
     ce = VocabParallelCrossEntropy(VocabShard(V, 1, 0), SERIAL)
     logits = rand_x((B, T, V)) * 2
     targets = np.random.default_rng(5).integers(0, V, (B, T))

@@ -13,8 +13,7 @@ from numpitron.nn.experts import LocalExperts
 from numpitron.nn.moe import MixtureOfExperts
 from numpitron.nn.router import TopKRouter, capacity
 from numpitron.parallel.pipeline import forward_only
-from tests.harness import make_trainer, tiny_model, tiny_tokens, tiny_train
-from tests.test_layers import assert_fd, check_layer, make_store, rand_x
+from tests.harness import assert_fd, check_layer, make_store, make_trainer, rand_x, tiny_model, tiny_tokens, tiny_train
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
 SERIAL = Topology.serial()

@@ -117,7 +117,7 @@ def test_warmup_is_linear_and_reaches_lr():
     assert learning_rate(0, LR, MIN_LR, 0, DECAY) == LR        # no warm-up at all
 
 
-def test_cosine_decay():
+def test_cosine_decay_falls_monotonically_to_the_minimum_through_the_midpoint():
     after = np.array([lr_at(i) for i in range(WARMUP, DECAY + 20)])
     assert np.all(np.diff(after) <= 0)
     assert all(lr_at(i) == MIN_LR for i in (DECAY, DECAY + 1, 10 * DECAY))

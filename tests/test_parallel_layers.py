@@ -114,7 +114,7 @@ def test_column_and_row_parallel_linear():
 
 
 @pytest.mark.parallel(nprocs=[2, 4])
-def test_attention_and_mlp():
+def test_attention_and_mlp_on_tp_ranks_match_their_serial_twins():
     topo, serial = Topology.from_world(tensor=MPI.COMM_WORLD.Get_size()), Topology.serial()
     diffs = {}
     factories = {

@@ -44,19 +44,19 @@ def name(layout):
     return "-".join(f"{k}{v}" for k, v in layout.items()) or "serial"
 
 
-def test_one_process():
+def test_planned_memory_bytes_and_activations_equal_one_process_counts():
     checks = measured_and_planned()
     assert all(measured == planned for measured, planned in checks.values()), checks
 
 
 @pytest.mark.parallel(nprocs=2)
 @pytest.mark.parametrize("layout", LAYOUTS_2[1:], ids=name)
-def test_two_ranks(layout):
+def test_planned_memory_bytes_and_activations_equal_two_ranks_counts(layout):
     assert_on_every_rank(measured_and_planned(**layout))
 
 
 @pytest.mark.parallel(nprocs=4)
-def test_four_ranks():
+def test_planned_memory_bytes_and_activations_equal_four_ranks_counts():
     # One launch for all of them: four ranks on two cores start slowly.
     assert_on_every_rank({f"{name(layout)} {key}": value for layout in LAYOUTS_4
                           for key, value in measured_and_planned(**layout).items()})

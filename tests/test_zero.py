@@ -9,8 +9,7 @@ from mpi4py import MPI
 
 from numpitron.config import ParallelConfig, check_layout
 from numpitron.errors import UserError
-from tests.harness import assert_on_every_rank, make_trainer, tiny_model, tiny_tokens, tiny_train
-from tests.test_equivalence import check_mesh, mesh_id
+from tests.harness import assert_on_every_rank, check_mesh, make_trainer, mesh_id, tiny_model, tiny_tokens, tiny_train
 
 TWO_RANKS = [dict(data=2, zero_stage=2, bucket_size=2000), dict(data=2, zero_stage=3),
              dict(data=2, zero_stage=2, overlap_grad_reduce=False), dict(data=2, zero_stage=3, recompute="full", overlap_grad_reduce=False)]
@@ -129,6 +128,6 @@ def test_stage3_refuses_what_it_cannot_do_in_one_line(mesh, sequence_parallel, e
         check_layout(tiny_model(num_experts=experts), tiny_train(), mesh, parallel)
 
 
-def test_unknown_stage():
+def test_an_unknown_zero_stage_is_refused():
     with pytest.raises(UserError, match="0, 1, 2 or 3"):
         ParallelConfig(zero_stage=4).validate()
