@@ -1,3 +1,3 @@
-"""numpitron: 3D-parallel GPT training with NumPy and MPI."""
+"""numpitron: parallel GPT training with NumPy and MPI, every backward by hand."""
 
 __version__ = "0.1.0"

@@ -1,7 +1,8 @@
 """The book's links stay true: every relative link in docs/ and the README points at a
 file that exists, every code span naming a class, function or method in a linked
 Python file names one that file defines, and every repository path written in a code
-span exists."""
+span exists; and every import in the package goes downward through the architecture
+page's table of the house."""
 
 import ast
 import re
@@ -47,3 +48,43 @@ def test_links_and_named_code_exist(page):
         if not (REPO / span.rstrip("/")).exists():
             broken.append(f"`{span}`: no such path")
     assert not broken, "\n".join(broken)
+
+
+def house_rows() -> list[list[str]]:
+    """The paths named in each row of docs/architecture.md's table of the house, top first."""
+    section = (REPO / "docs/architecture.md").read_text().split("## The house")[1].split("\n## ")[0]
+    cells = [line.split("|") for line in section.splitlines() if line.startswith("| ")]
+    return [paths for row in cells if (paths := re.findall(r"`([^`]+)`", row[2]))]
+
+
+def row_of(path: str, rows: list[list[str]]) -> int | None:
+    """The row naming the file, or else the deepest directory holding it."""
+    matches = [(len(named), i) for i, paths in enumerate(rows) for named in paths
+               if path == named or (named.endswith("/") and path.startswith(named))]
+    return max(matches)[1] if matches else None
+
+
+def imported_files(source: Path) -> set[str]:
+    """Repository paths of the numpitron modules a file imports, at its top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(source.read_text())):
+        modules = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
+            [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+        for module in (m for m in modules if m.startswith("numpitron.")):
+            path = module.replace(".", "/")
+            found.add(f"{path}.py" if (REPO / f"{path}.py").exists() else f"{path}/__init__.py")
+    return found
+
+
+def test_every_import_in_the_package_goes_down_the_house():
+    rows, wrong = house_rows(), []
+    for source in sorted((REPO / "numpitron").rglob("*.py")):
+        path = source.relative_to(REPO).as_posix()
+        here, imports = row_of(path, rows), imported_files(source)
+        if here is None:
+            if imports or not path.endswith("__init__.py"):     # a package's docstring may stand alone
+                wrong.append(f"{path}: in no row of the table")
+            continue
+        wrong += [f"{path} (row {here}) imports {target} (row {row_of(target, rows)})"
+                  for target in sorted(imports) if (row_of(target, rows) or 0) < here]
+    assert not wrong, "\n".join(wrong)

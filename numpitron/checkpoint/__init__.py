@@ -2,6 +2,10 @@
 
 See manifest.py for the format, save.py and load.py for the collective entry points,
 convert.py for the .npz exchange format.
+
+Infrastructure, not the teaching core: it keeps a run's state safe and reads the
+model's Params and the optimizers' ranges, while no layer, parallel strategy or
+optimizer imports it (docs/architecture.md, "The house").
 """
 
 from numpitron.checkpoint.load import latest_checkpoint, load_checkpoint, load_model_weights

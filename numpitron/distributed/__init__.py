@@ -1,1 +1,1 @@
-"""Process mesh, collectives and sharding bounds."""
+"""Process mesh, collectives, sharding bounds and the zigzag split of a sequence over cp."""

@@ -1,1 +1,1 @@
-"""Data parallelism (gradient all-reduce), ZeRO-1, and pipeline schedules."""
+"""Data parallelism (gradient buckets), ZeRO stages 1 to 3, and pipeline schedules and their executor."""
