@@ -51,30 +51,26 @@ def _half(nbytes: float, ranks: int) -> float:
 
 
 @cache
-def layer_elements(d_model: int, n_heads: int, vocab_size: int, seq_len: int, tp: int) -> dict:
+def layer_elements(model, tp: int) -> dict:
     """{piece: (elements on one tp rank, of which tp-replicated)} for a block, the token
     embedding, the position embedding and the head (its ln_f), counted from the layers'
     own Params: built as tp rank 0 of a mesh without communicators (every tp rank holds
     as many), never allocated."""
-    topo = Topology(None, tp, 1, 1)
-    token = VocabParallelEmbedding("embedding.token", vocab_size, d_model, topo)
-    pieces = {"block": Block("blocks.0", d_model, n_heads, 1, topo), "token": token,
-              "position": PositionEmbedding("embedding.position", seq_len, d_model),
-              "head": LanguageModelHead(token, d_model, topo)}
+    topo, C = Topology(None, tp, 1, 1), model.d_model
+    token = VocabParallelEmbedding("embedding.token", model.vocab_size, C, topo)
+    pieces = {"block": Block("blocks.0", C, model.n_heads, model.n_layers, topo), "token": token,
+              "position": PositionEmbedding("embedding.position", model.seq_len, C),
+              "head": LanguageModelHead(token, C, topo)}
     return {piece: (sum(math.prod(p.local_shape) for p in layer.parameters()),
                     sum(math.prod(p.local_shape) for p in layer.parameters() if p.split_axis is None))
             for piece, layer in pieces.items()}
-
-
-def _layers_of(model, tp: int) -> dict:
-    return layer_elements(model.d_model, model.n_heads, model.vocab_size, model.seq_len, tp)
 
 
 def parameter_elements(model, rank: Rank) -> tuple[int, int]:
     """(elements of this rank's slice of its stage, of which tp-replicated): its blocks,
     the token embedding on the first and last stage (one copy each), the positions on
     the first, ln_f on the last."""
-    layers = _layers_of(model, rank.tp)
+    layers = layer_elements(model, rank.tp)
     pieces = ["block"] * (model.n_layers // rank.pp) + ["token"] * (rank.first or rank.last) \
         + ["position"] * rank.first + ["head"] * rank.last
     return sum(layers[p][0] for p in pieces), sum(layers[p][1] for p in pieces)
@@ -82,7 +78,7 @@ def parameter_elements(model, rank: Rank) -> tuple[int, int]:
 
 def block_elements(model, tp: int) -> int:
     """One transformer block's parameters on a tp rank: the ZeRO-3 unit."""
-    return _layers_of(model, tp)["block"][0]
+    return layer_elements(model, tp)["block"][0]
 
 
 def state_bytes(model, parallel, rank: Rank) -> dict:
@@ -178,7 +174,7 @@ def comm_bytes(model, parallel, train, rank: Rank) -> dict:
         add("pp.recv", m * hop * messages)
         add("pp.broadcast", F64)     # the loss, from the last stage
         if rank.first or rank.last:  # the tied embedding's two copies
-            add("embedding.all_reduce", _all_reduce(_layers_of(model, tp)["token"][0] * item, 2))
+            add("embedding.all_reduce", _all_reduce(layer_elements(model, tp)["token"][0] * item, 2))
     group, elements = rank.dp * cp, parameter_elements(model, rank)[0]
     if group > 1:
         padded = pad_to_multiple(elements, group)
@@ -207,7 +203,7 @@ def _zero3_elements_moved(model, rank: Rank, m: int, padded: int) -> tuple[int, 
     each block in m forwards and m backwards (gathered twice, reduced once). A single
     stage (ZeRO-3 refuses pipelines): the root is the head and the tail of the buffer."""
     group_rank, group = rank.dp_rank * rank.cp + rank.cp_rank, rank.dp * rank.cp
-    pieces = _layers_of(model, rank.tp)
+    pieces = layer_elements(model, rank.tp)
     block, head = pieces["block"][0], pieces["token"][0] + pieces["position"][0]
     layers = model.n_layers
 
