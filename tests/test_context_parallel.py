@@ -12,7 +12,7 @@ from numpitron.distributed.zigzag import Chunk, local_positions, zigzag_chunks
 from numpitron.nn.blockwise_attention import AttentionState, attend_block, attend_block_backward, query_tiles
 from numpitron.nn.blockwise_attention import visible_keys
 from tests.harness import assert_on_every_rank, make_trainer, serial_reference, tiny_model, tiny_tokens, tiny_train
-from tests.harness import train_steps
+from tests.harness import error_lines, run_script, train_steps
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
 B, H, T, D = 2, 3, 12, 4
@@ -109,8 +109,7 @@ def test_ring_moves_the_formula_bytes_and_a_cp_checkpoint_loads_on_one_process(t
     (["--context-parallel-size", "0"], "context-parallel size must be positive"),
 ])
 def test_bad_context_parallel_flags_are_one_line_from_one_rank(args, message):
-    from tests.test_cli import error_lines, run
-    result = run(args + ["--max-iters", "1", "--no-progress"], nprocs=2, timeout=60)
+    result = run_script(args + ["--max-iters", "1", "--no-progress"], nprocs=2, timeout=60)
     assert result.returncode != 0
     lines = error_lines(result.stderr)
     assert len(lines) == 1 and message in lines[0], result.stderr

@@ -12,7 +12,7 @@ from numpitron.distributed.topology import Topology
 from numpitron.nn.activation_memory import block_activation_bytes
 from numpitron.nn.layer import cache_nbytes
 from tests.harness import assert_on_every_rank, make_trainer, serial_reference, tiny_model, tiny_tokens, tiny_train
-from tests.harness import train_steps
+from tests.harness import error_lines, run_script, train_steps
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
 MODES = ["none", "selective", "full"]
@@ -83,8 +83,7 @@ def test_tp2_block_memory_with_and_without_sp_and_the_bytes_sp_moves(tmp_path_fa
     (["--recompute", "some"], None, "invalid choice: 'some'"),
 ])
 def test_bad_sequence_parallel_flags_are_one_line(args, nprocs, message):
-    from tests.test_cli import error_lines, run
-    result = run(args + ["--max-iters", "1", "--no-progress"], nprocs=nprocs, timeout=60)
+    result = run_script(args + ["--max-iters", "1", "--no-progress"], nprocs=nprocs, timeout=60)
     assert result.returncode != 0
     lines = error_lines(result.stderr)
     assert len(lines) == 1 and message in lines[0], result.stderr
