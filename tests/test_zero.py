@@ -132,3 +132,27 @@ def test_stage3_refuses_what_it_cannot_do_in_one_line(mesh, sequence_parallel, e
 def test_unknown_stage():
     with pytest.raises(UserError, match="0, 1, 2 or 3"):
         ParallelConfig(zero_stage=4).validate()
+
+
+def test_a_range_of_the_flat_buffer_falls_over_the_ranks_slices_exactly_once():
+    """sharding.py's answer to "which part of [lo, hi) is rank r's, and where in its
+    slice": the pieces tile the range in rank order, each where the rank's slice holds it."""
+    from numpitron.distributed.sharding import balanced_bounds, piece_in_slice, pieces_of_range, shard_bounds
+    rng = np.random.default_rng(0)
+    for parts in (1, 2, 3, 4):
+        size = parts * 7
+        buffer = np.arange(size)
+        slices = [buffer[slice(*shard_bounds(size, parts, r))] for r in range(parts)]
+        for _ in range(50):
+            lo, hi = sorted(rng.integers(0, size + 1, 2))
+            counts = pieces_of_range(lo, hi, size, parts)
+            pieces = [slices[r][piece_in_slice(lo, hi, size, parts, r)] for r in range(parts)]
+            assert [len(p) for p in pieces] == counts
+            assert np.array_equal(np.concatenate(pieces), buffer[lo:hi])
+        # shares that need not be equal tile [0, n) and agree with the equal split when it divides
+        for n in (0, 1, size - 1, size, size + 1):
+            bounds = [balanced_bounds(n, parts, r) for r in range(parts)]
+            assert bounds[0][0] == 0 and bounds[-1][1] == n and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+            assert max(b - a for a, b in bounds) - min(b - a for a, b in bounds) <= 1
+        assert [balanced_bounds(size, parts, r) for r in range(parts)] == [shard_bounds(size, parts, r)
+                                                                            for r in range(parts)]
