@@ -32,6 +32,7 @@ from mpi4py import MPI  # noqa: E402
 
 from numpitron.cli import setup_training, training_parser  # noqa: E402
 from numpitron.config import ModelConfig  # noqa: E402
+from numpitron.optim.memory_report import memory_bytes  # noqa: E402
 from numpitron.parallel.schedules import closed_form_bubble  # noqa: E402
 from numpitron.trainer import Trainer  # noqa: E402
 
@@ -121,8 +122,8 @@ def timed_steps(trainer, tokens, iters: int, world) -> dict:
             "comm_bytes_per_iter": trainer.topo.stats.total_bytes() / iters,
             "comm_seconds_per_iter_by_kind": {k: v["seconds"] / iters for k, v in trainer.topo.stats.snapshot().items()},
             "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,     # Linux: KiB
-            "optimizer_state_bytes": sum(o.state_nbytes() for o in trainer.optimizers),
-            "memory_bytes": trainer.optimizer.memory_bytes(),
+            "optimizer_state_bytes": sum(o.adam.state_nbytes for o in trainer.optimizers),
+            "memory_bytes": memory_bytes(trainer.optimizer),
             "peak_activation_bytes": trainer.last_pipeline_stats.peak_activation_bytes,
             "peak_in_flight": trainer.last_pipeline_stats.peak_in_flight}
 

@@ -12,7 +12,11 @@ import numpy as np
 from numpitron.errors import UserError
 
 DTYPES = ("float32", "float64")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")      # parallel/schedules.py
+# The pipeline schedules' names, the one place they are spelled (parallel/schedules.py
+# builds each; a schedule with separate weight passes splits every layer's backward).
+GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "gpipe", "1f1b", "interleaved", "zero-bubble"
+SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE)
+SPLIT_BACKWARD = (ZERO_BUBBLE,)
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -66,7 +70,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 class ParallelConfig:
     """How to parallelise, beyond the mesh's sizes (which only the Topology holds)."""
 
-    schedule: str = "1f1b"           # one of SCHEDULES; only matters with pipeline stages
+    schedule: str = ONE_F_ONE_B      # one of SCHEDULES; only matters with pipeline stages
     virtual_stages: int = 1          # chunks of layers per pipeline rank (interleaved 1F1B)
     zero_stage: int = 0
     bucket_size: int = 1 << 20       # elements per data-parallel gradient bucket
@@ -81,7 +85,7 @@ class ParallelConfig:
             raise UserError(f"unknown recompute {self.recompute!r}; choose one of {', '.join(RECOMPUTE)}")
         if self.schedule not in SCHEDULES:
             raise UserError(f"unknown pipeline schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-        if (self.schedule == "interleaved") != (self.virtual_stages > 1):
+        if (self.schedule == INTERLEAVED) != (self.virtual_stages > 1):
             raise UserError(f"--pipeline-schedule interleaved and --virtual-stages 2 or more go together "
                             f"(got {self.schedule} with {self.virtual_stages} virtual stages)")
         if self.zero_stage not in ZERO_STAGES:
@@ -111,7 +115,7 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
             raise UserError("--zero-stage 3 reduce-scatters each layer's gradients when its backward ends, but "
                             "--sequence-parallel sums LayerNorm gradients over tp only after the whole backward; "
                             "use --zero-stage 2 with --sequence-parallel")
-        if parallel.schedule == "zero-bubble":
+        if parallel.schedule in SPLIT_BACKWARD:
             raise UserError("--zero-stage 3 gathers a layer's parameters around its whole backward, and the "
                             "zero-bubble schedule splits that backward into two passes; use another schedule")
         if model.num_experts:
@@ -204,7 +208,7 @@ class TrainConfig:
 
     def num_microbatches(self, data_parallel: int) -> int:
         """Megatron's semantics: micro-batches per dp rank are the accumulation steps."""
-        global_batch = self.global_batch_size or self.micro_batch_size * data_parallel
+        global_batch = self.global_batch(data_parallel)
         per_step = self.micro_batch_size * data_parallel
         if global_batch % per_step:
             raise UserError(
@@ -213,6 +217,7 @@ class TrainConfig:
         return global_batch // per_step
 
     def global_batch(self, data_parallel: int) -> int:
+        """Sequences per step: the flag, or one micro-batch per data-parallel rank."""
         return self.global_batch_size or self.micro_batch_size * data_parallel
 
 

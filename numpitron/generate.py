@@ -19,6 +19,8 @@ text of each sample is the same whatever the mesh.
 
 import numpy as np
 
+from numpitron.distributed.sharding import balanced_bounds, pad_to_multiple
+
 ACTIVATION_TAG = 0
 
 
@@ -70,9 +72,10 @@ def generate(model, prompt_ids, max_new_tokens: int, num_samples: int = 1, tempe
     topo = model.topo
     if model.virtual_stages != 1 or topo.cp != 1:
         raise ValueError("generation runs on one chunk per stage and whole sequences (cp = 1)")
-    shares = [(d * num_samples // topo.dp, (d + 1) * num_samples // topo.dp) for d in range(topo.dp)]
+    shares = [balanced_bounds(num_samples, topo.dp, d) for d in range(topo.dp)]
     start, stop = shares[topo.dp_rank]
-    everyone = np.zeros((topo.dp, -(-num_samples // topo.dp), len(prompt_ids) + max_new_tokens), np.int64)
+    most = pad_to_multiple(num_samples, topo.dp) // topo.dp          # the largest share
+    everyone = np.zeros((topo.dp, most, len(prompt_ids) + max_new_tokens), np.int64)
     if stop > start:                      # the whole replica (its tp and pp groups) alike
         prompts = np.tile(np.asarray(prompt_ids, np.int64), (stop - start, 1))
         rngs = [np.random.default_rng([seed, k]) for k in range(start, stop)]

@@ -16,7 +16,7 @@ the ones in use.
 import numpy as np
 
 from numpitron.config import ModelConfig
-from numpitron.distributed.sharding import shard_bounds
+from numpitron.distributed.sharding import shard_bounds, shard_size
 from numpitron.distributed.zigzag import local_positions
 from numpitron.nn.block import Block
 from numpitron.nn.embedding import Embeddings, PositionEmbedding, VocabParallelEmbedding
@@ -48,49 +48,70 @@ class GPTStage(Layer):
         self.region = make_region(topo, sequence_parallel)
         self.dtype = np.dtype(model_cfg.dtype)
         self.first, self.last = topo.is_first_stage, topo.is_last_stage    # holds the embeddings, the head
+        self.routing_log = RoutingLog(model_cfg.n_layers, model_cfg.num_experts)
+        self._build_embeddings_and_head()
+        self._build_chunks(recompute)
+        # Every parameter once, in forward order (the tied copy heads the list).
+        params = self.tied + [p for layer in self.layers for p in layer.parameters() if p not in self.tied]
+        self._build_stores(params, seed)
+        self.summed_in_finalize = self._summed_in_finalize(params)
+        self.residency = AlwaysResident()       # ZeRO-3 installs its own (nn/residency.py)
+
+    def _build_embeddings_and_head(self) -> None:
+        """The token embedding on the first and the last stage (`tied`: the head's copy
+        there), the embeddings on the first, the head on the last."""
+        c, topo = self.model_cfg, self.topo
         self.tied = []
         if self.first or self.last:
             # On the last stage of a pipeline this is the head's copy: counted once in
             # the gradient norm (on the first stage) and saved once.
             self.token_embedding = VocabParallelEmbedding(
-                "embedding.token", model_cfg.vocab_size, model_cfg.d_model, topo, in_norm=self.first,
-                region=self.region)
+                "embedding.token", c.vocab_size, c.d_model, topo, in_norm=self.first, region=self.region)
             self.tied = self.token_embedding.parameters()
         if self.first:
-            position = PositionEmbedding("embedding.position", model_cfg.seq_len, model_cfg.d_model)
-            positions = local_positions(model_cfg.seq_len, topo.cp, topo.cp_rank)
-            self.embeddings = Embeddings(self.token_embedding, position, positions)
-        self.routing_log = RoutingLog(model_cfg.n_layers, model_cfg.num_experts)
+            position = PositionEmbedding("embedding.position", c.seq_len, c.d_model)
+            self.embeddings = Embeddings(self.token_embedding, position, local_positions(c.seq_len, topo.cp,
+                                                                                         topo.cp_rank))
         if self.last:
-            self.head = LanguageModelHead(self.token_embedding, model_cfg.d_model, topo)
+            self.head = LanguageModelHead(self.token_embedding, c.d_model, topo)
+
+    def _build_chunks(self, recompute: str) -> None:
+        """This rank's share of the blocks, chunk by chunk (virtual stage c*p + r), each
+        chunk's layer list with the embeddings and the head where they belong, and
+        `layers`: every chunk's layers in order (the index the residency hooks take)."""
+        c, topo, v = self.model_cfg, self.topo, self.virtual_stages
         self.blocks, self.chunk_blocks, self.chunks = [], [], []
-        for chunk in range(virtual_stages):
-            start, stop = shard_bounds(model_cfg.n_layers, topo.pp * virtual_stages, chunk * topo.pp + topo.pp_rank)
-            blocks = [Block(f"blocks.{i}", model_cfg.d_model, model_cfg.n_heads, model_cfg.n_layers, topo,
-                            self.region, keep_probs=recompute != "selective", moe=self._moe_settings(i))
+        for chunk in range(v):
+            start, stop = shard_bounds(c.n_layers, topo.pp * v, chunk * topo.pp + topo.pp_rank)
+            blocks = [Block(f"blocks.{i}", c.d_model, c.n_heads, c.n_layers, topo, self.region,
+                            keep_probs=recompute != "selective", moe=self._moe_settings(i))
                       for i in range(start, stop)]
             # Full recomputation keeps each block's input only (nn/recompute.py).
             block_layers = [Recomputed(b) for b in blocks] if recompute == "full" else blocks
             self.blocks += blocks
             self.chunk_blocks.append(block_layers)
-            self.chunks.append(([self.embeddings] if self.opens(chunk) else []) + block_layers
-                               + ([self.head] if self.closes(chunk) else []))
+            self.chunks.append(([self.embeddings] if self.holds_embeddings(chunk) else []) + block_layers
+                               + ([self.head] if self.holds_head(chunk) else []))
         self.layers = [layer for chunk_layers in self.chunks for layer in chunk_layers]
-        self.chunk_offsets = [sum(len(c) for c in self.chunks[:k]) for k in range(virtual_stages)]
-        # Every parameter once, in forward order (the tied copy heads the list).
-        params = self.tied + [p for layer in self.layers for p in layer.parameters() if p not in self.tied]
+        self.chunk_offsets = [sum(len(layers) for layers in self.chunks[:k]) for k in range(v)]
+
+    def _build_stores(self, params, seed: int) -> None:
+        """The two flat buffers (the experts apart: averaged over another group), each
+        parameter drawn in full from (seed, name) and cut to this rank's slice."""
         experts = [p for b in self.blocks if isinstance(b.mlp, MixtureOfExperts) for p in b.mlp.experts.parameters()]
-        self.store = ParamStore([p for p in params if p not in experts], self.dtype, topo.tp_rank)
-        self.expert_store = ParamStore(experts, self.dtype, topo.tp_rank)
+        self.store = ParamStore([p for p in params if p not in experts], self.dtype, self.topo.tp_rank)
+        self.expert_store = ParamStore(experts, self.dtype, self.topo.tp_rank)
         self.stores = [self.store] + ([self.expert_store] if experts else [])
         for store in self.stores:
             store.initialize(seed)
-        # Gradients final only after finalize_grads: the tied embedding (summed over its
-        # copies) and, with sequence parallelism, the tp-replicated parameters (summed
-        # over tp): nobody may start reducing them over dp before that.
+
+    def _summed_in_finalize(self, params) -> list:
+        """The parameters whose gradients are final only after `finalize_grads`: the tied
+        embedding (summed over its copies) and, with sequence parallelism, the
+        tp-replicated ones (summed over tp). Nobody may start reducing them over dp
+        before that."""
         replicated = [p for p in params if p.split_axis is None] if self.region.sequence_parallel else []
-        self.unfinished = self.tied + [p for p in replicated if p not in self.tied]
-        self.residency = AlwaysResident()       # ZeRO-3 installs its own (nn/residency.py)
+        return self.tied + [p for p in replicated if p not in self.tied]
 
     def _moe_settings(self, block: int) -> dict | None:
         c = self.model_cfg
@@ -100,11 +121,11 @@ class GPTStage(Layer):
                     aux_loss_coef=c.moe_aux_loss_coef, loss_weight=self.loss_weight, block=block,
                     log=self.routing_log)
 
-    def opens(self, chunk: int) -> bool:
+    def holds_embeddings(self, chunk: int) -> bool:
         """Whether `chunk` is virtual stage 0: it starts with the embeddings."""
         return self.first and chunk == 0
 
-    def closes(self, chunk: int) -> bool:
+    def holds_head(self, chunk: int) -> bool:
         """Whether `chunk` is the last virtual stage: it ends with the head and the loss."""
         return self.last and chunk == self.virtual_stages - 1
 
@@ -114,7 +135,7 @@ class GPTStage(Layer):
     def input_shape(self, B: int, T: int) -> tuple:
         """What a chunk receives from the previous virtual stage: activations (B, T, C),
         the sequence split over tp when sequence-parallel."""
-        return (B, T // self.region.parts, self.model_cfg.d_model)
+        return (B, shard_size(T, self.region.parts), self.model_cfg.d_model)
 
     def forward(self, inputs, targets=None, kv: KVCache | None = None, chunk: int = 0):
         """inputs: token ids (B, T) into virtual stage 0, activations (B, T, C) elsewhere.
@@ -134,11 +155,11 @@ class GPTStage(Layer):
     def _context(self, chunk: int, i: int, targets, kv) -> dict:
         """What layer i of a chunk takes beside its input: the head the targets, the
         embeddings the KV cache (for positions), each block its own layer's cache."""
-        if self.closes(chunk) and i == len(self.chunks[chunk]) - 1:
+        if self.holds_head(chunk) and i == len(self.chunks[chunk]) - 1:
             return {"targets": targets}
         if kv is None:
             return {}
-        return {"kv": kv if self.opens(chunk) and i == 0 else kv.layer(i - self.opens(chunk))}
+        return {"kv": kv if self.holds_embeddings(chunk) and i == 0 else kv.layer(i - self.holds_embeddings(chunk))}
 
     def backward(self, dout, cache, grads_ready=None, chunk: int = 0):
         """dout: the loss weight (last virtual stage) or dL/d(output activations). Returns
@@ -171,7 +192,7 @@ class GPTStage(Layer):
 
     def _report(self, layer, grads_ready) -> None:
         if grads_ready is not None:
-            grads_ready([p for p in layer.parameters() if p not in self.unfinished])
+            grads_ready([p for p in layer.parameters() if p not in self.summed_in_finalize])
 
     def finalize_grads(self, grads_ready) -> None:
         """After the last micro-batch's backward (Megatron's finalize_model_grads). With
@@ -189,10 +210,10 @@ class GPTStage(Layer):
                 offset += p.grad.size
         if self.tied:
             self.topo.embedding_comm.all_reduce(self.token_embedding.weight.grad)
-        grads_ready(self.unfinished)
+        grads_ready(self.summed_in_finalize)
 
     def new_kv_cache(self, batch: int, chunk: int = 0) -> KVCache:
         """An empty key/value cache for generating `batch` sequences through a chunk."""
-        heads = self.model_cfg.n_heads // self.topo.tp
+        heads = shard_size(self.model_cfg.n_heads, self.topo.tp)
         return KVCache(len(self.chunk_blocks[chunk]), batch, heads, self.model_cfg.seq_len, self.model_cfg.head_dim,
                        self.dtype)

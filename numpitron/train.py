@@ -14,6 +14,7 @@ from numpitron.checkpoint.manifest import iter_dirs
 from numpitron.checkpoint.prune import written_by_us
 from numpitron.data.prepare import ensure_prepared
 from numpitron.data.prepared import load_prepared
+from numpitron.optim.memory_report import memory_bytes
 from numpitron.distributed.agree import on_every_rank
 from numpitron.errors import UserError
 from numpitron.memory import check_fits
@@ -70,7 +71,7 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
         record = {"iter": it, **step, "tokens_per_s": tokens_per_iter / dt, "elapsed_s": time.perf_counter() - start,
                   "comm_bytes": topo.stats.total_bytes(),
                   # this rank's parameters, gradients, optimizer state and in-pass peaks (docs/12)
-                  **{f"memory_{k}": v for k, v in trainer.optimizer.memory_bytes().items()}}
+                  **{f"memory_{k}": v for k, v in memory_bytes(trainer.optimizer).items()}}
         if topo.pp > 1:
             record["bubble"] = trainer.last_pipeline_stats.bubble_fraction
             record["bubble_formula"] = closed_form_bubble(trainer.parallel_cfg.schedule, topo.pp,

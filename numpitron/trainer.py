@@ -19,6 +19,7 @@ import numpy as np
 from numpitron.data.batches import global_batch
 from numpitron.distributed.agree import on_every_rank
 from numpitron.distributed.zigzag import local_positions
+from numpitron.distributed.sharding import shard_bounds
 from numpitron.model import GPTStage
 from numpitron.optim.distributed import step_together
 from numpitron.optim.schedule import learning_rate
@@ -54,10 +55,9 @@ class Trainer:
                             self.model_cfg.seq_len)
         mine = local_positions(self.model_cfg.seq_len, topo.cp, topo.cp_rank)
         x, y = x[:, mine], y[:, mine]
-        per_rank = self.global_batch_size // topo.dp
-        start = topo.dp_rank * per_rank
+        start, stop = shard_bounds(self.global_batch_size, topo.dp, topo.dp_rank)
         mb = self.train_cfg.micro_batch_size
-        return [(x[s:s + mb], y[s:s + mb]) for s in range(start, start + per_rank, mb)]
+        return [(x[s:s + mb], y[s:s + mb]) for s in range(start, stop, mb)]
 
     def lr(self, iteration: int) -> float:
         c = self.train_cfg

@@ -17,6 +17,7 @@ from numpitron.config import ModelConfig, ParallelConfig, TrainConfig, check_lay
 from numpitron.distributed.gather import gather_stores
 from numpitron.distributed.topology import Topology
 from numpitron.nn.param import ParamStore
+from numpitron.optim.training_state import FLAT_BUFFERS
 from numpitron.trainer import Trainer
 from tests.conftest import REPO
 from tests.tolerances import EQUIV_RTOL_FLOAT64, FD_ATOL, FD_EPS, FD_RTOL, rel_diff
@@ -64,8 +65,13 @@ def run(trainer, steps=10, tokens=None):
     steps_out = [trainer.train_step(tokens) for _ in range(steps)]
     losses, norms = [s["train_loss"] for s in steps_out], [s["grad_norm"] for s in steps_out]
     full = gather_stores(trainer.model, trainer.topo,
-                         [{"params": optimizer.full_params()} for optimizer in trainer.optimizers])
+                         [{"params": optimizer.state.whole("params")} for optimizer in trainer.optimizers])
     return np.array(losses), np.array(norms), (full or {}).get("params"), trainer
+
+
+def whole_buffers(optimizer) -> dict:
+    """{params, adam_m, adam_v: the whole stage's flat buffer} on every rank (collective)."""
+    return {buffer: optimizer.state.whole(buffer) for buffer in FLAT_BUFFERS}
 
 
 def serial_reference(model_cfg, train_cfg, steps=10, tokens=None):

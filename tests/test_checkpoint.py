@@ -21,7 +21,7 @@ from numpitron.checkpoint.prune import OWNER_MARKER
 from numpitron.checkpoint.save import checkpoint_fields, write_checkpoint
 from numpitron.distributed.gather import gather_full
 from numpitron.trainer import Trainer
-from tests.harness import SMALLER, train_steps, make_trainer as harness_trainer, tiny_model
+from tests.harness import SMALLER, train_steps, make_trainer as harness_trainer, tiny_model, whole_buffers
 
 MODEL = tiny_model(**SMALLER)
 TRAIN = TrainConfig(micro_batch_size=2, global_batch_size=4, max_iters=10, warmup_iters=2, seed=1,
@@ -55,8 +55,7 @@ def copy_of(saved, tmp_path):
 
 def write_format1(root: Path, trainer) -> Path:
     """A checkpoint as versions before sharded checkpoints wrote it (one .npy per tensor)."""
-    m, v = trainer.optimizer.full_moments()
-    full = gather_full(trainer.model, trainer.topo, {"params": trainer.optimizer.full_params(), "adam_m": m, "adam_v": v})
+    full = gather_full(trainer.model, trainer.topo, whole_buffers(trainer.optimizer))
     return write_checkpoint(root, trainer.iteration, full, checkpoint_fields(trainer))
 
 

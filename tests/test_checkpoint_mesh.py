@@ -15,7 +15,7 @@ from numpitron.distributed.gather import gather_full
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
 from numpitron.trainer import Trainer
-from tests.harness import SMALLER, train_steps, make_trainer, tiny_model
+from tests.harness import SMALLER, train_steps, make_trainer, tiny_model, whole_buffers
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
 MODEL = tiny_model(**SMALLER)
@@ -35,9 +35,7 @@ def mesh_trainer(tensor=1, pipeline=1, data=1, zero_stage=0, micro_batch_size=2)
 
 def full_state(trainer: Trainer) -> dict | None:
     """{params, adam_m, adam_v: {name: full tensor}} on world rank 0 (collective)."""
-    m, v = trainer.optimizer.full_moments()
-    return gather_full(trainer.model, trainer.topo,
-                       {"params": trainer.optimizer.full_params(), "adam_m": m, "adam_v": v})
+    return gather_full(trainer.model, trainer.topo, whole_buffers(trainer.optimizer))
 
 
 @pytest.mark.parallel(nprocs=4)
@@ -146,7 +144,7 @@ def test_a_stage_reads_only_the_shards_that_hold_its_tensors(shared_dir, monkeyp
     load_checkpoint(path, resumed)
     expected = {"shards/rank-00000.bin"} | ({"shards/rank-00001.bin"} if MPI.COMM_WORLD.rank == 1 else set())
     assert set(opened) == expected
-    assert np.array_equal(resumed.optimizer.full_params(), source.optimizer.full_params())
+    assert np.array_equal(resumed.optimizer.state.whole("params"), source.optimizer.state.whole("params"))
 
 
 @pytest.mark.parallel(nprocs=2)

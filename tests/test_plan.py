@@ -4,6 +4,7 @@ and the peak activation bytes of the schedule, on every layout below."""
 
 import pytest
 
+from numpitron.optim.memory_report import memory_bytes
 from numpitron.plan.accounting import Rank, comm_bytes, peak_activation_bytes, state_bytes
 from tests.harness import assert_on_every_rank, make_trainer, tiny_model, tiny_tokens, tiny_train
 
@@ -15,7 +16,7 @@ def measured_and_planned(n_layers=4, **layout):
     trainer.train_step(tiny_tokens())
     rank = Rank(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank, topo.cp_rank, topo.dp_rank)
     return {
-        "memory": (trainer.optimizer.memory_bytes(), state_bytes(model_cfg, trainer.parallel_cfg, rank)),
+        "memory": (memory_bytes(trainer.optimizer), state_bytes(model_cfg, trainer.parallel_cfg, rank)),
         "comm": ({k: v["bytes"] for k, v in topo.stats.snapshot().items()},
                  comm_bytes(model_cfg, trainer.parallel_cfg, trainer.train_cfg, rank)),
         "activations": (trainer.last_pipeline_stats.peak_activation_bytes,

@@ -6,20 +6,20 @@ schedule cannot run is one clear error."""
 import pytest
 from mpi4py import MPI
 
-from numpitron.config import ParallelConfig, check_layout
+from numpitron.config import SCHEDULES, ParallelConfig, check_layout
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
 from numpitron.model import GPTStage
 from numpitron.nn.layer import Layer
 from numpitron.parallel.pipeline import check_backward_splits
-from numpitron.parallel.schedules import (SCHEDULE_NAMES, Op, ScheduleError, closed_form_bubble, format_schedule,
+from numpitron.parallel.schedules import (BACKWARD, FORWARD, Op, ScheduleError, closed_form_bubble, format_schedule,
                                           ideal_bubble, make_schedule, peak_in_flight, simulate)
 from tests.harness import make_trainer, tiny_model, tiny_train
 
 
 def cases():
     """(schedule, p, m, v) for p up to 8 and several m each (interleaving: m a multiple of p)."""
-    for name in SCHEDULE_NAMES:
+    for name in SCHEDULES:
         for p in range(1, 9):
             for v in ((2, 3) if name == "interleaved" else (1,)):
                 if name == "interleaved" and p == 1:
@@ -30,7 +30,7 @@ def cases():
                     yield name, p, m, v
 
 
-@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_every_schedule_is_complete_and_runs_to_the_end(name):
     for schedule, p, m, v in cases():
         if schedule != name:
@@ -38,12 +38,12 @@ def test_every_schedule_is_complete_and_runs_to_the_end(name):
         stages = [make_schedule(name, m, p, stage, v) for stage in range(p)]
         finish = simulate(stages, m, v)                 # raises if incomplete or stuck
         assert len(finish) == p and all(t > 0 for t in finish)
-        split = any(op.kind == "W" for ops in stages for op in ops)
+        split = any(op.action == "W" for ops in stages for op in ops)
         assert split == (name == "zero-bubble")
         assert all(len(ops) == m * v * (3 if split else 2) for ops in stages)
 
 
-@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_the_timeline_has_the_papers_bubble(name):
     for schedule, p, m, v in cases():
         if schedule == name and (name != "zero-bubble" or m >= p):
@@ -64,7 +64,24 @@ def test_the_schedules_print_as_the_papers_draw_them():
     assert format_schedule(make_schedule("zero-bubble", 4, 3, 0)) == "F0 F1 F2 B0 W0 F3 B1 W1 B2 W2 B3 W3"
     # interleaved, rank 0 of 2 with 2 chunks: p micro-batches through chunk 0, then chunk 1
     assert format_schedule(make_schedule("interleaved", 2, 2, 0, 2)) == "F0 F1 F0:1 F1:1 BW0:1 BW1:1 BW0 BW1"
-    assert make_schedule("interleaved", 6, 3, 1, 1) == make_schedule("1f1b", 6, 3, 1)
+
+
+def test_one_f_one_b_is_its_three_phases_and_interleaving_with_one_chunk():
+    """Stage r of p: a warm-up of p-r-1 forwards (all m when fewer), a steady state that
+    alternates one forward with one backward, a cool-down of backwards only; and
+    interleaving, its own function, reduces to exactly this with v = 1."""
+    for p in range(1, 7):
+        for m in (1, 2, p, p + 3, 3 * p):
+            for stage in range(p):
+                ops = make_schedule("1f1b", m, p, stage)
+                warmup = min(p - stage - 1, m)
+                steady = 2 * (m - warmup)
+                assert all(op.action == FORWARD for op in ops[:warmup])
+                assert [op.action for op in ops[warmup:warmup + steady]] == [FORWARD, BACKWARD] * (m - warmup)
+                assert all(op.action == BACKWARD for op in ops[warmup + steady:])
+                assert [op.microbatch for op in ops if op.action == FORWARD] == list(range(m))
+                assert [op.microbatch for op in ops if op.action == BACKWARD] == list(range(m))
+                assert ops == make_schedule("interleaved", m, p, stage, 1)
 
 
 def test_peak_in_flight_per_stage():

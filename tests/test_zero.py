@@ -60,7 +60,7 @@ def test_zero2_reduce_scatters_during_the_backward_and_frees_the_whole_gradient(
         "started in the backward": (started[0], len(buckets.buckets) - 1),
         "one reduce-scatter per bucket": (snap["dp_cp.reduce_scatter"]["calls"], len(buckets.buckets)),
         "whole gradient freed": store.grad is None and all(p.grad is None for p in store.params),
-        "slice kept": trainer.optimizer.grad_shard.size == store.size // 2,
+        "slice kept": trainer.optimizer.owned.grads.size == store.size // 2,
     })
 
 
@@ -113,8 +113,8 @@ def test_stage3_on_one_process_is_bit_for_bit_the_plain_run():
     plain, sharded = make_trainer(), make_trainer(zero_stage=3)
     for _ in range(3):
         assert plain.train_step(tokens) == sharded.train_step(tokens)
-    assert np.array_equal(plain.optimizer.full_params()[:plain.model.store.numel],
-                          sharded.optimizer.full_params()[:plain.model.store.numel])
+    assert np.array_equal(plain.optimizer.state.whole("params")[:plain.model.store.numel],
+                          sharded.optimizer.state.whole("params")[:plain.model.store.numel])
 
 
 @pytest.mark.parametrize("mesh, sequence_parallel, experts, schedule, message", [
@@ -131,3 +131,27 @@ def test_stage3_refuses_what_it_cannot_do_in_one_line(mesh, sequence_parallel, e
 def test_an_unknown_zero_stage_is_refused():
     with pytest.raises(UserError, match="0, 1, 2 or 3"):
         ParallelConfig(zero_stage=4).validate()
+
+
+def test_a_range_of_the_flat_buffer_falls_over_the_ranks_slices_exactly_once():
+    """sharding.py's answer to "which part of [lo, hi) is rank r's, and where in its
+    slice": the pieces tile the range in rank order, each where the rank's slice holds it."""
+    from numpitron.distributed.sharding import balanced_bounds, piece_in_slice, pieces_of_range, shard_bounds
+    rng = np.random.default_rng(0)
+    for parts in (1, 2, 3, 4):
+        size = parts * 7
+        buffer = np.arange(size)
+        slices = [buffer[slice(*shard_bounds(size, parts, r))] for r in range(parts)]
+        for _ in range(50):
+            lo, hi = sorted(rng.integers(0, size + 1, 2))
+            counts = pieces_of_range(lo, hi, size, parts)
+            pieces = [slices[r][piece_in_slice(lo, hi, size, parts, r)] for r in range(parts)]
+            assert [len(p) for p in pieces] == counts
+            assert np.array_equal(np.concatenate(pieces), buffer[lo:hi])
+        # shares that need not be equal tile [0, n) and agree with the equal split when it divides
+        for n in (0, 1, size - 1, size, size + 1):
+            bounds = [balanced_bounds(n, parts, r) for r in range(parts)]
+            assert bounds[0][0] == 0 and bounds[-1][1] == n and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+            assert max(b - a for a, b in bounds) - min(b - a for a, b in bounds) <= 1
+        assert [balanced_bounds(size, parts, r) for r in range(parts)] == [shard_bounds(size, parts, r)
+                                                                            for r in range(parts)]

@@ -1,9 +1,9 @@
 """Loading checkpoints onto any mesh.
 
 Every rank reads the files itself and asks only for the parts of its stage's flat
-buffers it keeps (`load_flat`): a reader rebuilds each logical tensor those overlap
+buffers it keeps (`optimizer.state.load`): a reader rebuilds each logical tensor those overlap
 (format 2: from the shards' pieces; format 1: one .npy each, memory-mapped) and the
-rank cuts its own slice out of it (`sharded.stage_range`), so the mesh that wrote the
+rank cuts its own ranges out of it (`sharded.cut_range`), so the mesh that wrote the
 checkpoint does not matter. Nothing is trusted before it is checked against the
 manifest.
 """
@@ -14,12 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
-from numpitron.checkpoint.manifest import (KINDS, LATEST_NAME, is_complete, iter_dirs, iteration_of,
+from numpitron.checkpoint.manifest import (LATEST_NAME, is_complete, iter_dirs, iteration_of,
                                            read_manifest, tensor_relpath, verify_tensor_file)
-from numpitron.checkpoint.sharded import ShardedReader, stage_range
+from numpitron.checkpoint.sharded import ShardedReader, cut_range
 from numpitron.config import ModelConfig
 from numpitron.distributed.agree import on_every_rank
 from numpitron.errors import UserError
+from numpitron.optim.training_state import FLAT_BUFFERS
 
 
 def latest_checkpoint(root) -> Path | None:
@@ -109,16 +110,16 @@ def _load_training_state(path: Path, trainer) -> dict:
     for key in ("iteration", "adam_step"):
         if not isinstance(manifest[key], int) or manifest[key] < 0:
             raise UserError(f"corrupt checkpoint manifest in {path}: {key} is {manifest[key]!r}")
-    reader = open_reader(path, manifest, KINDS)
+    reader = open_reader(path, manifest, FLAT_BUFFERS)
     model = trainer.model
     # Everything is read into fresh buffers first: a failure leaves the trainer untouched.
     # Each store (the dense parameters, the experts: asked for by global index, whatever
     # ep) gets the ranges its optimizer keeps.
-    wanted = [{(kind, lo, hi): stage_range(store, lo, hi, reader.getter(kind, store.dtype))
-               for kind, lo, hi in optimizer.loaded_ranges()}
+    wanted = [{(buffer, lo, hi): cut_range(store, lo, hi, reader.getter(buffer, store.dtype))
+               for buffer, lo, hi in optimizer.state.load_ranges()}
               for store, optimizer in zip(model.stores, trainer.optimizers)]
     for optimizer, values in zip(trainer.optimizers, wanted):
-        optimizer.load_flat(lambda kind, lo, hi, values=values: values[kind, lo, hi], manifest["adam_step"])
+        optimizer.state.load(lambda buffer, lo, hi, values=values: values[buffer, lo, hi], manifest["adam_step"])
     trainer.iteration = manifest["iteration"]
     best = manifest.get("best_val_loss")
     trainer.best_val_loss = math.inf if best is None else float(best)
@@ -130,7 +131,7 @@ def _load_weights(path: Path, model, expected_model_cfg) -> dict:
     if expected_model_cfg is not None:
         check_model_config(manifest, expected_model_cfg)
     reader = open_reader(path, manifest, ("params",))
-    flats = [stage_range(store, 0, store.size, reader.getter("params", store.dtype)) for store in model.stores]
+    flats = [cut_range(store, 0, store.size, reader.getter("params", store.dtype)) for store in model.stores]
     for store, flat in zip(model.stores, flats):
         store.data[...] = flat
     return manifest

@@ -25,7 +25,6 @@ FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
 TMP_PREFIX = ".tmp-"                 # anything named so in ROOT is a leftover of a crash
-KINDS = ("params", "adam_m", "adam_v")
 REQUIRED_KEYS = ("format_version", "model_config", "iteration", "adam_step", "tensors")
 _ITER_DIR = re.compile(r"^iter_(\d+)$")
 

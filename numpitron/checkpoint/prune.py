@@ -18,8 +18,9 @@ import re
 import shutil
 from pathlib import Path
 
-from numpitron.checkpoint.manifest import KINDS, MANIFEST_NAME, TMP_PREFIX, iter_dirs, read_manifest
+from numpitron.checkpoint.manifest import MANIFEST_NAME, TMP_PREFIX, iter_dirs, read_manifest
 from numpitron.errors import UserError
+from numpitron.optim.training_state import FLAT_BUFFERS
 
 TRASH_PREFIX = ".trash-"
 OWNER_MARKER = ".numpitron-checkpoint"    # first file of every checkpoint directory we write
@@ -45,7 +46,7 @@ def partial_leftover(path: Path) -> bool:
     if (path / MANIFEST_NAME).exists() or not path.is_dir():
         return False
     for entry in path.iterdir():
-        if not (entry.is_dir() and entry.name in KINDS and all(f.suffix == ".npy" for f in entry.iterdir())):
+        if not (entry.is_dir() and entry.name in FLAT_BUFFERS and all(f.suffix == ".npy" for f in entry.iterdir())):
             return False
     return True
 

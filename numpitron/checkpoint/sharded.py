@@ -6,8 +6,9 @@
                                         size and CRC-32; "pieces": which bytes of which
                                         file hold which slice of which tensor
 
-A rank's pieces are its optimizer's `write_range()` of the stage's flat buffers (its
-ZeRO slice; replicas split the writing the same way), cut at parameter boundaries. A
+A rank's pieces are its optimizer's `state.save_range()` of the stage's flat buffers
+(its ZeRO slice; replicas split the writing the same way), cut at parameter
+boundaries. A piece's "kind" is the flat buffer it comes from (`FLAT_BUFFERS`). A
 piece is a flat range [start, stop) of one tensor's tp-local shard (tp rank t of
 tp_size): the layout the writer held, recorded so that a reader on another mesh can
 rebuild the logical tensor. Each tensor is written once: a tp-replicated one by tp
@@ -24,10 +25,11 @@ from pathlib import Path
 import numpy as np
 
 from numpitron.checksum import file_crc32
+from numpitron.distributed.sharding import shard_bounds
 from numpitron.errors import UserError
 from numpitron.nn.param import pad_to_full
+from numpitron.optim.training_state import FLAT_BUFFERS
 
-KINDS = ("params", "adam_m", "adam_v")
 SHARDS = "shards"
 
 
@@ -39,7 +41,7 @@ def written_params(model, store, topo):
     """The parameters of `store` this rank writes: the first stage's tied embedding only,
     and a tp-replicated tensor from tp rank 0 only (the others hold the same values)."""
     from numpitron.distributed.gather import saved_params
-    return [p for p in saved_params(model, store) if p.split_axis is not None or topo.tp_rank == 0]
+    return [p for p in saved_params(model, store) if p.counted_on(topo.tp_rank)]
 
 
 def write_rank_shard(directory: Path, trainer) -> dict:
@@ -50,8 +52,8 @@ def write_rank_shard(directory: Path, trainer) -> dict:
     relpath, pieces, tensors, offset = shard_relpath(topo.rank), [], {}, 0
     with open(directory / relpath, "wb") as f:
         for store, optimizer in zip(trainer.model.stores, trainer.optimizers):
-            lo, hi = optimizer.write_range()
-            values = optimizer.flat_slices(lo, hi)
+            lo, hi = optimizer.state.save_range()
+            values = optimizer.state.values_in_range(lo, hi)
             for p in written_params(trainer.model, store, topo):
                 a, b = store.offsets[p.name]
                 start, stop = max(a, lo), min(b, hi)
@@ -59,10 +61,10 @@ def write_rank_shard(directory: Path, trainer) -> dict:
                     continue
                 tensors[p.name] = {"shape": list(p.logical_shape), "full_shape": list(p.full_shape),
                                    "split_axis": p.split_axis, "dtype": store.dtype.name}
-                for kind in KINDS:
-                    piece = np.ascontiguousarray(values[kind][start - lo:stop - lo])
+                for buffer in FLAT_BUFFERS:
+                    piece = np.ascontiguousarray(values[buffer][start - lo:stop - lo])
                     f.write(piece.tobytes())
-                    pieces.append({"kind": kind, "name": p.name, "tp_rank": p.tp_rank, "tp_size": p.tp_size,
+                    pieces.append({"kind": buffer, "name": p.name, "tp_rank": p.tp_rank, "tp_size": p.tp_size,
                                    "start": start - a, "stop": stop - a, "file": relpath, "offset": offset})
                     offset += piece.nbytes
         f.flush()
@@ -129,8 +131,7 @@ class ShardedReader:
         for tp_rank, tp_size in sorted({(p["tp_rank"], p["tp_size"]) for p in pieces}):
             index = [slice(None)] * len(full_shape)
             if axis is not None:
-                step = full_shape[axis] // tp_size
-                index[axis] = slice(tp_rank * step, (tp_rank + 1) * step)
+                index[axis] = slice(*shard_bounds(full_shape[axis], tp_size, tp_rank))
             local = full[tuple(index)].copy()
             flat, seen = local.reshape(-1), np.zeros(local.size, bool)
             for p in pieces:
@@ -189,7 +190,7 @@ def check_tables(path: Path, tensors: dict, files: dict, pieces: list) -> None:
     for piece in pieces:
         if not isinstance(piece, dict) or any(type(piece.get(k)) is not t for k, t in PIECE_FIELDS.items()):
             bad(f"a piece lacks one of {', '.join(PIECE_FIELDS)}")
-        if piece["kind"] not in KINDS or piece["name"] not in tensors or piece["file"] not in files:
+        if piece["kind"] not in FLAT_BUFFERS or piece["name"] not in tensors or piece["file"] not in files:
             bad(f"a piece names an unknown kind, tensor or file: {piece['kind']} {piece['name']} {piece['file']}")
         total, split, itemsize = sizes[piece["name"]]
         tp_size, tp_rank = piece["tp_size"], piece["tp_rank"]
@@ -201,9 +202,10 @@ def check_tables(path: Path, tensors: dict, files: dict, pieces: list) -> None:
             bad(f"a piece of {piece['name']} lies outside its tensor or its file")
 
 
-def stage_range(store, lo: int, hi: int, get_full) -> np.ndarray:
-    """Values on [lo, hi) of this rank's flat buffer `store` (zeros at padding), asking
-    get_full(name) only for the parameters that overlap the range."""
+def cut_range(store, lo: int, hi: int, get_full) -> np.ndarray:
+    """Values on [lo, hi) of a flat buffer laid out like `store` on this rank (zeros at
+    padding), cut out of full tensors: get_full(name) is asked only for the parameters
+    that overlap the range."""
     flat = np.zeros(hi - lo, store.dtype)
     for p in store.params:
         a, b = store.offsets[p.name]

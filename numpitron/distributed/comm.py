@@ -23,19 +23,19 @@ import numpy as np
 
 
 class CommStats:
-    """Bytes, calls and seconds per collective kind, shared by the communicators of
-    a topology. For a non-blocking call the seconds are those spent waiting for it:
-    the part of its time that computation did not hide."""
+    """Bytes, calls and seconds per collective ("tp.all_reduce", "pp.send", ...), shared
+    by the communicators of a topology. For a non-blocking call the seconds are those
+    spent waiting for it: the part of its time that computation did not hide."""
 
     def __init__(self):
         self.bytes = defaultdict(float)
         self.calls = defaultdict(int)
         self.seconds = defaultdict(float)
 
-    def add(self, kind: str, nbytes: float, seconds: float = 0.0) -> None:
-        self.bytes[kind] += nbytes
-        self.calls[kind] += 1
-        self.seconds[kind] += seconds
+    def add(self, collective: str, nbytes: float, seconds: float = 0.0) -> None:
+        self.bytes[collective] += nbytes
+        self.calls[collective] += 1
+        self.seconds[collective] += seconds
 
     def total_bytes(self) -> float:
         return sum(self.bytes.values())
@@ -44,8 +44,8 @@ class CommStats:
         return sum(self.seconds.values())
 
     def snapshot(self) -> dict:
-        return {kind: {"bytes": self.bytes[kind], "calls": self.calls[kind], "seconds": self.seconds[kind]}
-                for kind in sorted(self.bytes)}
+        return {name: {"bytes": self.bytes[name], "calls": self.calls[name], "seconds": self.seconds[name]}
+                for name in sorted(self.bytes)}
 
     def reset(self) -> None:
         self.bytes.clear()
@@ -57,8 +57,8 @@ class Pending:
     """A non-blocking collective in flight: `Comm.wait` completes it (and counts the
     seconds spent waiting), `Comm.test` lets MPI progress it without blocking."""
 
-    def __init__(self, request, kind: str):
-        self.request, self.kind, self.done = request, kind, request is None
+    def __init__(self, request, collective: str):
+        self.request, self.collective, self.done = request, collective, request is None
 
 
 class Comm:
@@ -74,10 +74,10 @@ class Comm:
     def __repr__(self) -> str:
         return f"Comm({self.name}, rank {self.rank} of {self.size})"
 
-    def _timed(self, kind: str, nbytes: float, call) -> None:
+    def _timed(self, collective: str, nbytes: float, call) -> None:
         start = time.perf_counter()
         call()
-        self.stats.add(f"{self.name}.{kind}", nbytes, time.perf_counter() - start)
+        self.stats.add(f"{self.name}.{collective}", nbytes, time.perf_counter() - start)
 
     def all_reduce(self, buf: np.ndarray, op: str = "sum") -> np.ndarray:
         """In-place reduction of `buf` over the group (op: sum or max)."""
@@ -92,16 +92,16 @@ class Comm:
         if self.size == 1:
             return Pending(None, "")
         from mpi4py import MPI
-        kind = f"{self.name}.all_reduce"
-        self.stats.add(kind, 2 * (self.size - 1) / self.size * buf.nbytes)
-        return Pending(self.mpi.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), kind)
+        collective = f"{self.name}.all_reduce"
+        self.stats.add(collective, 2 * (self.size - 1) / self.size * buf.nbytes)
+        return Pending(self.mpi.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), collective)
 
     def wait(self, pending: Pending) -> None:
         if not pending.done:
             start = time.perf_counter()
             pending.request.Wait()
             pending.done = True
-            self.stats.seconds[pending.kind] += time.perf_counter() - start
+            self.stats.seconds[pending.collective] += time.perf_counter() - start
 
     def test(self, pending: list[Pending]) -> None:
         """MPI progresses a non-blocking collective only inside MPI calls: a cheap
@@ -129,9 +129,9 @@ class Comm:
             mine[...] = full
             return Pending(None, "")
         from mpi4py import MPI
-        kind = f"{self.name}.reduce_scatter"
-        self.stats.add(kind, full.nbytes - mine.nbytes)
-        return Pending(self.mpi.Ireduce_scatter(full, mine, counts, op=MPI.SUM), kind)
+        collective = f"{self.name}.reduce_scatter"
+        self.stats.add(collective, full.nbytes - mine.nbytes)
+        return Pending(self.mpi.Ireduce_scatter(full, mine, counts, op=MPI.SUM), collective)
 
     def iall_gather(self, mine: np.ndarray, full: np.ndarray, counts: list[int]) -> Pending:
         """Start filling `full` with every rank's piece (`counts` elements each, in rank
@@ -140,9 +140,9 @@ class Comm:
             full[...] = mine
             return Pending(None, "")
         displacements = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
-        kind = f"{self.name}.all_gather"
-        self.stats.add(kind, full.nbytes - mine.nbytes)
-        return Pending(self.mpi.Iallgatherv(mine, [full, (list(counts), displacements)]), kind)
+        collective = f"{self.name}.all_gather"
+        self.stats.add(collective, full.nbytes - mine.nbytes)
+        return Pending(self.mpi.Iallgatherv(mine, [full, (list(counts), displacements)]), collective)
 
     def all_gather(self, full: np.ndarray) -> np.ndarray:
         """In place: rank r's slice r of `full` is filled in on every rank."""

@@ -6,7 +6,7 @@ name on world rank 0: a gather over tp within data replica 0 of every stage,
 then each stage's leader sends its tensors to rank 0. Experts are held by the ep
 ranks of a data replica, each its own: `gather_stores` gathers them from the ep
 ranks of replica 0 as well. (The inverse, cutting a rank's shard out of full
-tensors, is `checkpoint.sharded.stage_range`.)
+tensors, is `checkpoint.sharded.cut_range`.)
 """
 
 import numpy as np

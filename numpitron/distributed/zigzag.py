@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from numpitron.distributed.sharding import shard_size
+
 
 class Chunk(NamedTuple):
     """Rows [start, stop) of a local array hold positions position..position+stop-start."""
@@ -43,4 +45,4 @@ def contiguous_chunks(local_len: int, cp: int, rank: int) -> list[Chunk]:
 def local_positions(seq_len: int, cp: int, rank: int) -> np.ndarray:
     """Global positions of the tokens rank `rank` holds, in its local order: (T/cp,)."""
     return np.concatenate([np.arange(c.position, c.last_position + 1)
-                           for c in zigzag_chunks(seq_len // cp, cp, rank)])
+                           for c in zigzag_chunks(shard_size(seq_len, cp), cp, rank)])

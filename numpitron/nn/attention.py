@@ -23,6 +23,7 @@ import math
 import numpy as np
 
 from numpitron.distributed.zigzag import Chunk, zigzag_chunks
+from numpitron.distributed.sharding import shard_size
 from numpitron.nn.blockwise_attention import AttentionState, attend_block, attend_block_backward, query_tiles
 from numpitron.nn.functional import row_sums
 from numpitron.nn.layer import Layer
@@ -34,7 +35,7 @@ KV_TAG, GRAD_TAG = 10, 20
 class ParallelAttention(Layer):
     def __init__(self, name: str, d_model: int, n_heads: int, topo, out_std: float, region=None,
                  keep_probs: bool = True):
-        self.local_heads = n_heads // topo.tp
+        self.local_heads = shard_size(n_heads, topo.tp)
         self.head_dim = d_model // n_heads
         self.scale = 1.0 / math.sqrt(self.head_dim)   # a Python float keeps float32 passes float32
         self.cp, self.cp_rank = topo.cp_comm, topo.cp_comm.rank

@@ -18,6 +18,7 @@ combine. The router gets dL/dgate[t, j] = dy[t] . out[t, j] for kept choices.
 
 import numpy as np
 
+from numpitron.distributed.sharding import shard_bounds
 from numpitron.nn.experts import LocalExperts
 from numpitron.nn.layer import Layer, rows
 from numpitron.nn.router import TopKRouter
@@ -58,8 +59,7 @@ class MixtureOfExperts(Layer):
                  block: int = 0, log: RoutingLog | None = None):
         self.router = TopKRouter(f"{name}.router", d_model, num_experts, top_k, capacity_factor, aux_loss_coef,
                                  loss_weight)
-        local = num_experts // topo.ep
-        mine = range(topo.ep_rank * local, (topo.ep_rank + 1) * local)
+        mine = range(*shard_bounds(num_experts, topo.ep, topo.ep_rank))
         self.experts = LocalExperts(f"{name}.experts", d_model, mine, topo, out_std)
         self.dispatcher = AllToAllDispatcher(topo.ep_comm, num_experts)
         self.E, self.k, self.block, self.log = num_experts, top_k, block, log

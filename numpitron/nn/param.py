@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from numpitron.distributed.sharding import shard_bounds
+from numpitron.distributed.sharding import pad_to_multiple, shard_bounds
 
 
 def mask_runs(mask) -> list[tuple[int, int]]:
@@ -58,6 +58,12 @@ class Param:
             start, stop = shard_bounds(self.full_shape[self.split_axis], self.tp_size, self.tp_rank)
             index[self.split_axis] = slice(start, stop)
         return tuple(index)
+
+    def counted_on(self, tp_rank: int) -> bool:
+        """Whether tp rank `tp_rank`'s copy is the one counted among its tp peers, in the
+        gradient norm and in a checkpoint: a split tensor on every rank (each holds its
+        own slice), a tp-replicated one on tp rank 0 only (the others hold the same)."""
+        return self.split_axis is not None or tp_rank == 0
 
     @property
     def local_shape(self) -> tuple:
@@ -119,16 +125,14 @@ class ParamStore:
             p.data = self.data[start:stop].reshape(p.local_shape)
             p.grad = self.grad[start:stop].reshape(p.local_shape)
             self.decay_mask[start:stop] = p.decay
-            # Counted in the global gradient norm on this rank? A tp-replicated tensor
-            # once (on tp rank 0), a split one on every rank (each holds a slice).
-            self.norm_mask[start:stop] = p.in_norm and (p.split_axis is not None or self.tp_rank == 0)
+            self.norm_mask[start:stop] = p.in_norm and p.counted_on(self.tp_rank)
         self.norm_runs = mask_runs(self.norm_mask)      # what the gradient norm sums over
         self.decay_runs = mask_runs(self.decay_mask)    # what AdamW's weight decay applies to
 
     def pad_to_multiple(self, multiple: int) -> None:
         """Grow the buffers with zeros to a multiple of `multiple` elements, keeping the
         parameters' values (every Param is pointed at the new buffers)."""
-        size = -(-self.numel // multiple) * multiple
+        size = pad_to_multiple(self.numel, multiple)
         if size != self.size:
             self._allocate(size, old_data=self.data)
 

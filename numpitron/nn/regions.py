@@ -20,6 +20,8 @@ Every layer asks its region, so there is one code path: with tp = 1 both are no-
 
 import numpy as np
 
+from numpitron.distributed.sharding import shard_bounds, shard_size
+
 
 class ReplicatedRegion:
     """Plain tensor parallelism: activations outside the tp layers are whole on every rank."""
@@ -72,7 +74,7 @@ class SequenceParallelRegion(ReplicatedRegion):
     def _reduce_scatter(self, y):
         """Sum (B, T, C) over tp and keep this rank's (B, T/tp, C)."""
         B, T, C = y.shape
-        t = T // self.tp.size
+        t = shard_size(T, self.tp.size)
         parts = np.ascontiguousarray(y.reshape(B, self.tp.size, t, C).transpose(1, 0, 2, 3))
         mine = np.empty((B, t, C), y.dtype)
         self.tp.reduce_scatter(parts, mine)
@@ -91,8 +93,8 @@ class SequenceParallelRegion(ReplicatedRegion):
         return self.gather(dy)
 
     def local(self, rows):
-        t = len(rows) // self.tp.size
-        return rows[self.tp.rank * t:(self.tp.rank + 1) * t]
+        start, stop = shard_bounds(len(rows), self.tp.size, self.tp.rank)
+        return rows[start:stop]
 
 
 def make_region(topo, sequence_parallel: bool):

@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from numpitron.distributed.sharding import shard_size
+
 
 class Plan(NamedTuple):
     """One micro-batch's traffic, known after the counts are exchanged."""
@@ -30,7 +32,7 @@ class Plan(NamedTuple):
 class AllToAllDispatcher:
     def __init__(self, ep_comm, num_experts: int):
         self.ep = ep_comm
-        self.local_experts = num_experts // ep_comm.size
+        self.local_experts = shard_size(num_experts, ep_comm.size)
 
     def plan(self, rows_per_expert: np.ndarray) -> Plan:
         """rows_per_expert: (E,) rows this rank sends to each expert."""

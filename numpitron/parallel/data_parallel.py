@@ -14,6 +14,7 @@ PyTorch DDP, Megatron-LM and picotron do; across hosts it hides most of the redu
 
 from numpitron.optim.distributed import DistributedOptimizer
 from numpitron.optim.grad_norm import clip_, global_grad_sumsq
+from numpitron.optim.training_state import TrainingState
 
 
 class GradientBuckets:
@@ -61,6 +62,7 @@ class DataParallelOptimizer(DistributedOptimizer):
 
     def __init__(self, store, topo, train_cfg, parallel_cfg, group=None):
         super().__init__(store, topo, train_cfg, 0, store.size, group)
+        self.state = TrainingState(store, self.group.comm, self.adam, 0, store.data)
         self.buckets = GradientBuckets(store, self.group.comm, parallel_cfg.bucket_size,
                                        parallel_cfg.overlap_grad_reduce)
 
@@ -80,6 +82,3 @@ class DataParallelOptimizer(DistributedOptimizer):
     def update(self, lr: float, norm: float) -> None:
         clip_(self.store.grad, norm, self.train_cfg.grad_clip)
         self.adam.update(self.store.data, self.store.grad, self.store.decay_runs, lr)
-
-    def full_moments(self):
-        return self.adam.m, self.adam.v

@@ -2,14 +2,15 @@
 
 A schedule is plain data a reader can print: per stage, a list of operations
 (F, BW, or the halves B and W; micro-batch; chunk). The executor walks this rank's
-list. Inputs are received just before they are needed (blocking Recv) and outputs
+list (`_Executor`); `PipelineStats` watches it run (what it records does not change
+what runs). Inputs are received just before they are needed (blocking Recv) and outputs
 sent as soon as they exist (non-blocking Isend, completed at the end of the
 iteration): a schedule whose dependencies `schedules.simulate` can run to the end
 cannot deadlock here, because the receives are the only waits.
 
 Virtual stage j (chunk j // p) lives on pp rank j mod p: activations go from j to
 j+1, gradients from j+1 to j, around the ring of pp ranks when interleaving. Every
-message has its own tag (kind, micro-batch, chunk), so no two can be confused even
+message has its own tag (activation or gradient, micro-batch, chunk), so no two can be confused even
 when both neighbours are the same rank (p = 2).
 """
 
@@ -17,25 +18,42 @@ import time
 
 import numpy as np
 
+from numpitron.config import ONE_F_ONE_B, SPLIT_BACKWARD
 from numpitron.errors import UserError
 from numpitron.nn.layer import cache_nbytes, splits_backward
-from numpitron.parallel.schedules import (BACKWARD, FORWARD, INPUT_GRAD, SPLIT_BACKWARD, WEIGHT_GRAD,
-                                         make_schedule)
+from numpitron.parallel.schedules import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, make_schedule
 
-ACTIVATION, GRADIENT = 0, 1
+ACTIVATION, GRADIENT = 0, 1            # what a message between virtual stages carries
 
 
 class PipelineStats:
     """What one iteration of a schedule did on this stage: compute intervals (for the
     bubble and the timeline figure), the peak number of (micro-batch, chunk) pairs in
     flight and the peak bytes their forward caches kept alive (activation memory,
-    counted, not guessed)."""
+    counted, not guessed). The executor reports each operation once it has computed."""
 
     def __init__(self):
         self.events = []          # (op, micro-batch, start_s, end_s, chunk), relative to start
         self.peak_in_flight = 0
         self.peak_activation_bytes = 0
         self.wall_s = 0.0
+        self._kept = {}           # (micro-batch, chunk) -> bytes its forward cache keeps alive
+        self._t0 = time.perf_counter()
+
+    def ran(self, op, start: float, caches: dict) -> None:
+        """`op` computed from `start` (perf_counter) until now; `caches` are the forward
+        caches alive after it."""
+        self.events.append((op.action, op.microbatch, start - self._t0, time.perf_counter() - self._t0, op.chunk))
+        key = (op.microbatch, op.chunk)
+        if op.action == FORWARD:
+            self.peak_in_flight = max(self.peak_in_flight, len(caches))
+            self._kept[key] = cache_nbytes(caches[key])       # micro-batches share no buffers: a sum
+            self.peak_activation_bytes = max(self.peak_activation_bytes, sum(self._kept.values()))
+        elif key not in caches:
+            self._kept.pop(key)
+
+    def finish(self) -> None:
+        self.wall_s = time.perf_counter() - self._t0
 
     @property
     def busy_s(self) -> float:
@@ -56,22 +74,23 @@ class _Route:
     def virtual_stage(self, chunk: int) -> int:
         return chunk * self.p + self.topo.pp_rank
 
-    def tag(self, receiving_stage: int, kind: int, microbatch: int) -> int:
-        """One tag per message of the iteration: (receiving virtual stage, micro-batch, kind)."""
-        return 2 * (receiving_stage * self.m + microbatch) + kind
+    def tag(self, receiving_stage: int, message: int, microbatch: int) -> int:
+        """One tag per message of the iteration: (receiving virtual stage, micro-batch,
+        ACTIVATION or GRADIENT)."""
+        return 2 * (receiving_stage * self.m + microbatch) + message
 
-    def receive(self, kind: int, tokens, microbatch: int, chunk: int):
-        """Activations from virtual stage j-1 (kind ACTIVATION) or the gradient from j+1."""
+    def receive(self, message: int, tokens, microbatch: int, chunk: int):
+        """Activations from virtual stage j-1 (ACTIVATION) or the gradient from j+1 (GRADIENT)."""
         j = self.virtual_stage(chunk)
-        source = (j - 1 if kind == ACTIVATION else j + 1) % self.p
+        source = (j - 1 if message == ACTIVATION else j + 1) % self.p
         B, T = tokens.shape
         buf = np.empty(self.model.input_shape(B, T), self.model.dtype)
-        return self.topo.pp_comm.recv(buf, source, self.tag(j, kind, microbatch))
+        return self.topo.pp_comm.recv(buf, source, self.tag(j, message, microbatch))
 
-    def send(self, kind: int, array, microbatch: int, chunk: int):
+    def send(self, message: int, array, microbatch: int, chunk: int):
         """Activations on to virtual stage j+1, or the input gradient back to j-1."""
-        to = self.virtual_stage(chunk) + (1 if kind == ACTIVATION else -1)
-        return self.topo.pp_comm.isend(array, to % self.p, self.tag(to, kind, microbatch))
+        to = self.virtual_stage(chunk) + (1 if message == ACTIVATION else -1)
+        return self.topo.pp_comm.isend(array, to % self.p, self.tag(to, message, microbatch))
 
 
 def check_backward_splits(model, schedule: str) -> None:
@@ -89,9 +108,59 @@ def last_weight_ops(ops) -> set[int]:
     it, the chunk's gradients are final for this iteration."""
     last = {}
     for index, op in enumerate(ops):
-        if op.kind in (BACKWARD, WEIGHT_GRAD):
+        if op.action in (BACKWARD, WEIGHT_GRAD):
             last[op.chunk] = index
     return set(last.values())
+
+
+class _Executor:
+    """One iteration's operations on this stage: each receives its input (blocking),
+    computes, and sends its output on (non-blocking)."""
+
+    def __init__(self, model, topo, microbatches, loss_weight: float):
+        self.model, self.topo, self.microbatches, self.loss_weight = model, topo, microbatches, loss_weight
+        self.route = _Route(model, topo, len(microbatches))
+        self.caches, self.losses, self.pending_sends = {}, [], []
+
+    def receive(self, op):
+        """What `op` starts from: the tokens or the previous virtual stage's activations
+        (F), the loss weight or the next virtual stage's gradient (BW, B); W needs none."""
+        tokens, chunk = self.microbatches[op.microbatch][0], op.chunk
+        if op.action == FORWARD:
+            return tokens if self.model.holds_embeddings(chunk) else \
+                self.route.receive(ACTIVATION, tokens, op.microbatch, chunk)
+        if op.action == WEIGHT_GRAD:
+            return None
+        return self.loss_weight if self.model.holds_head(chunk) else \
+            self.route.receive(GRADIENT, tokens, op.microbatch, chunk)
+
+    def compute(self, op, inputs, grads_ready=None):
+        """Run `op` on this stage's chunk; returns what it sends on (None for W)."""
+        model, key, chunk = self.model, (op.microbatch, op.chunk), op.chunk
+        if op.action == FORWARD:
+            out, self.caches[key] = model.forward(inputs, self.microbatches[op.microbatch][1], chunk=chunk)
+            return out
+        if op.action == BACKWARD:          # both halves, layer by layer
+            return model.backward(inputs, self.caches.pop(key), grads_ready, chunk=chunk)
+        if op.action == INPUT_GRAD:        # the cache stays for the weight half
+            return model.backward_input(inputs, self.caches[key], chunk=chunk)
+        model.backward_weights(self.caches.pop(key), grads_ready, chunk=chunk)
+        return None
+
+    def send(self, op, output) -> None:
+        """Activations on, the loss kept (last virtual stage), the input gradient back."""
+        key = (op.microbatch, op.chunk)
+        if op.action == FORWARD:
+            if self.model.holds_head(op.chunk):
+                self.losses.append(output)
+            else:
+                self.pending_sends.append(self.route.send(ACTIVATION, output, *key))
+        elif op.action != WEIGHT_GRAD and not self.model.holds_embeddings(op.chunk):
+            self.pending_sends.append(self.route.send(GRADIENT, output, *key))
+
+    def finish(self) -> list:
+        self.topo.pp_comm.wait_all(self.pending_sends)
+        return self.losses
 
 
 def run_schedule(model, topo, microbatches, schedule: str, loss_weight: float, grads_ready=None):
@@ -103,60 +172,26 @@ def run_schedule(model, topo, microbatches, schedule: str, loss_weight: float, g
     weight-gradient operation reports its finished gradients to `grads_ready`.
     Returns (losses, stats), the losses (one per micro-batch) on the last stage only.
     """
-    route = _Route(model, topo, len(microbatches))
     ops = make_schedule(schedule, len(microbatches), topo.pp, topo.pp_rank, model.virtual_stages)
     final = last_weight_ops(ops)
-    caches, kept, pending_sends, losses = {}, {}, [], []
-    stats = PipelineStats()
-    t0 = time.perf_counter()
+    executor, stats = _Executor(model, topo, microbatches, loss_weight), PipelineStats()
     for index, op in enumerate(ops):
-        (tokens, targets), key, chunk = microbatches[op.microbatch], (op.microbatch, op.chunk), op.chunk
-        ready = grads_ready if index in final else None
-        if op.kind == FORWARD:
-            inputs = tokens if model.opens(chunk) else route.receive(ACTIVATION, tokens, *key)
-            start = time.perf_counter()
-            out, caches[key] = model.forward(inputs, targets, chunk=chunk)
-            stats.events.append((op.kind, op.microbatch, start - t0, time.perf_counter() - t0, chunk))
-            stats.peak_in_flight = max(stats.peak_in_flight, len(caches))
-            kept[key] = cache_nbytes(caches[key])       # micro-batches share no buffers: a sum
-            stats.peak_activation_bytes = max(stats.peak_activation_bytes, sum(kept.values()))
-            if model.closes(chunk):
-                losses.append(out)
-            else:
-                pending_sends.append(route.send(ACTIVATION, out, *key))
-            continue
-        if op.kind in (BACKWARD, INPUT_GRAD):
-            dout = loss_weight if model.closes(chunk) else route.receive(GRADIENT, tokens, *key)
+        inputs = executor.receive(op)
         start = time.perf_counter()
-        if op.kind == BACKWARD:          # both halves, layer by layer
-            dinputs = model.backward(dout, caches.pop(key), ready, chunk=chunk)
-        elif op.kind == INPUT_GRAD:      # the cache stays for the weight half
-            dinputs = model.backward_input(dout, caches[key], chunk=chunk)
-        else:
-            model.backward_weights(caches.pop(key), ready, chunk=chunk)
-        stats.events.append((op.kind, op.microbatch, start - t0, time.perf_counter() - t0, chunk))
-        if op.kind != WEIGHT_GRAD and not model.opens(chunk):
-            pending_sends.append(route.send(GRADIENT, dinputs, *key))
-        if key not in caches:
-            kept.pop(key)
-    topo.pp_comm.wait_all(pending_sends)
-    stats.wall_s = time.perf_counter() - t0
+        output = executor.compute(op, inputs, grads_ready if index in final else None)
+        stats.ran(op, start, executor.caches)
+        executor.send(op, output)
+    losses = executor.finish()
+    stats.finish()
     return losses, stats
 
 
-def forward_only(model, topo, microbatches, schedule: str = "1f1b"):
+def forward_only(model, topo, microbatches, schedule: str = ONE_F_ONE_B):
     """Evaluation: the schedule's forwards only, in its order, keeping no caches.
     Returns the losses on the last stage (an empty list elsewhere)."""
-    route = _Route(model, topo, len(microbatches))
+    executor = _Executor(model, topo, microbatches, loss_weight=1.0)
     ops = make_schedule(schedule, len(microbatches), topo.pp, topo.pp_rank, model.virtual_stages)
-    losses, pending_sends = [], []
-    for op in (op for op in ops if op.kind == FORWARD):
-        (tokens, targets), key = microbatches[op.microbatch], (op.microbatch, op.chunk)
-        inputs = tokens if model.opens(op.chunk) else route.receive(ACTIVATION, tokens, *key)
-        out, _ = model.forward(inputs, targets, chunk=op.chunk)
-        if model.closes(op.chunk):
-            losses.append(out)
-        else:
-            pending_sends.append(route.send(ACTIVATION, out, *key))
-    topo.pp_comm.wait_all(pending_sends)
-    return losses
+    for op in (op for op in ops if op.action == FORWARD):
+        executor.send(op, executor.compute(op, executor.receive(op)))
+        executor.caches.clear()
+    return executor.finish()

@@ -1,6 +1,6 @@
 """Pipeline schedules as data: for each stage, the list of operations it runs.
 
-An operation is (kind, micro-batch, chunk). The kinds:
+An operation is (action, micro-batch, chunk). The actions:
 
   F   the forward of one micro-batch through one chunk of this stage's layers
   BW  its whole backward, each layer's two halves in turn (GPipe, 1F1B, interleaved)
@@ -12,11 +12,14 @@ pp rank r is virtual stage c*p + r of a pipeline of p*v, so a micro-batch visits
 every rank v times. Without interleaving v = 1 and every chunk is 0.
 
   GPipe (Huang et al. 2019): all m forwards, then all m backwards.
-  1F1B (PipeDream-Flush, Narayanan et al. 2021, Fig. 4): p-r-1 warm-up forwards,
-      then one forward, one backward, then the remaining backwards.
-  Interleaved 1F1B (Narayanan et al. 2021, Fig. 4 bottom): 1F1B over the v*m
-      (micro-batch, chunk) pairs, taken p micro-batches at a time per chunk, with
-      (v-1)*p more warm-up forwards. Needs m to be a multiple of p (Megatron's rule).
+  1F1B (PipeDream-Flush, Narayanan et al. 2021, Fig. 4): three phases. Warm-up:
+      stage r runs p-r-1 forwards, enough to fill the pipeline below it. Steady
+      state: one forward, one backward, until every forward has run. Cool-down: the
+      backwards still owed.
+  Interleaved 1F1B (Narayanan et al. 2021, Fig. 4 bottom): the same three phases
+      over the v*m (micro-batch, chunk) pairs, taken p micro-batches at a time per
+      chunk, with (v-1)*p more warm-up forwards. Needs m to be a multiple of p
+      (Megatron's rule).
   ZB-H1 (Qi et al. 2024, §2.1, Fig. 3 top): 1F1B with the backward split; stage r
       runs its first W r rounds late, so every stage keeps p micro-batches in flight
       and the W passes fill the bubble 1F1B leaves at the end of the iteration.
@@ -30,21 +33,21 @@ from fractions import Fraction
 from functools import lru_cache
 from typing import NamedTuple
 
+from numpitron.config import GPIPE, INTERLEAVED, ONE_F_ONE_B, ZERO_BUBBLE
+
 FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = "F", "BW", "B", "W"
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
-SPLIT_BACKWARD = ("zero-bubble",)          # schedules that run B and W apart
 # Relative costs for the ideal timeline: the input and the weight halves each cost
 # about a forward (two matmuls of the same size per linear layer).
 UNIT_COST = {FORWARD: 1, INPUT_GRAD: 1, WEIGHT_GRAD: 1, BACKWARD: 2}
 
 
 class Op(NamedTuple):
-    kind: str
+    action: str
     microbatch: int
     chunk: int = 0
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}" + (f":{self.chunk}" if self.chunk else "")
+        return f"{self.action}{self.microbatch}" + (f":{self.chunk}" if self.chunk else "")
 
 
 def gpipe(m: int, p: int, stage: int, v: int = 1) -> list[Op]:
@@ -52,25 +55,32 @@ def gpipe(m: int, p: int, stage: int, v: int = 1) -> list[Op]:
 
 
 def one_f_one_b(m: int, p: int, stage: int, v: int = 1) -> list[Op]:
-    return interleaved(m, p, stage, 1)
+    """Stage `stage` of p: p-stage-1 warm-up forwards (the last stage none), then one
+    forward and one backward at a time, then the backwards still owed."""
+    warmup = min(p - stage - 1, m)
+    ops = [Op(FORWARD, i) for i in range(warmup)]                    # warm-up
+    for i in range(m - warmup):                                      # steady state
+        ops += [Op(FORWARD, warmup + i), Op(BACKWARD, i)]
+    return ops + [Op(BACKWARD, i) for i in range(m - warmup, m)]     # cool-down
 
 
 def interleaved(m: int, p: int, stage: int, v: int = 1) -> list[Op]:
-    """With v = 1 this is 1F1B exactly (and m may be anything)."""
-    total = m * v
-
-    def nth(k: int, backward: bool) -> tuple[int, int]:
-        # The k-th forward (backward) of this rank: groups of p micro-batches, chunk by
-        # chunk (the backward goes through the chunks in reverse).
+    """1F1B's three phases over this rank's v*m (micro-batch, chunk) pairs. Forwards go
+    p micro-batches through chunk 0, the same p through chunk 1, ..., then the next p;
+    backwards in the same order with the chunks reversed. The warm-up is 1F1B's plus
+    (v-1)*p: a whole round of the other chunks. With v = 1 this is 1F1B exactly."""
+    def pair(k: int, backward: bool) -> tuple[int, int]:
+        """The k-th forward (backward) of this rank: (micro-batch, chunk)."""
         group, within = divmod(k, p * v)        # which p micro-batches; where in their p*v operations
         chunk = within // p
         return group * p + within % p, (v - 1 - chunk if backward else chunk)
 
+    total = m * v
     warmup = min((p - stage - 1) + (v - 1) * p, total)
-    ops = [Op(FORWARD, *nth(k, False)) for k in range(warmup)]
-    for k in range(total - warmup):
-        ops += [Op(FORWARD, *nth(warmup + k, False)), Op(BACKWARD, *nth(k, True))]
-    return ops + [Op(BACKWARD, *nth(k, True)) for k in range(total - warmup, total)]
+    ops = [Op(FORWARD, *pair(k, False)) for k in range(warmup)]                       # warm-up
+    for k in range(total - warmup):                                                   # steady state
+        ops += [Op(FORWARD, *pair(warmup + k, False)), Op(BACKWARD, *pair(k, True))]
+    return ops + [Op(BACKWARD, *pair(k, True)) for k in range(total - warmup, total)]   # cool-down
 
 
 def zero_bubble(m: int, p: int, stage: int, v: int = 1) -> list[Op]:
@@ -90,11 +100,11 @@ def zero_bubble(m: int, p: int, stage: int, v: int = 1) -> list[Op]:
     return ops + [Op(WEIGHT_GRAD, i) for i in range(weights_done, m)]
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zero-bubble": zero_bubble}
+BUILDERS = {GPIPE: gpipe, ONE_F_ONE_B: one_f_one_b, INTERLEAVED: interleaved, ZERO_BUBBLE: zero_bubble}
 
 
 def make_schedule(name: str, m: int, p: int, stage: int, v: int = 1) -> list[Op]:
-    return SCHEDULES[name](m, p, stage, v)
+    return BUILDERS[name](m, p, stage, v)
 
 
 def format_schedule(ops: list[Op]) -> str:
@@ -108,9 +118,9 @@ def closed_form_bubble(name: str, p: int, m: int, v: int = 1) -> float:
     (Narayanan et al. 2021, §2.2.2), (p-1)/(3m+p-1) for ZB-H1 (Qi et al. 2024, §2.1:
     a bubble of (p-1)(T_F + T_B - T_W) against 1F1B's (p-1)(T_F + T_B + T_W)).
     Exact for ZB-H1 when m >= p, and for interleaving when p divides m."""
-    if name == "interleaved":
+    if name == INTERLEAVED:
         return (p - 1) / (v * m + p - 1)
-    if name == "zero-bubble":
+    if name == ZERO_BUBBLE:
         return (p - 1) / (3 * m + p - 1)
     return (p - 1) / (m + p - 1)
 
@@ -119,11 +129,11 @@ def dependencies(op: Op, rank: int, p: int, v: int) -> list[tuple[Op, int]]:
     """(operation, pp rank) pairs that must finish before `op` can start on `rank`."""
     last = p * v - 1
     stage = op.chunk * p + rank                        # its virtual stage
-    if op.kind == FORWARD:
+    if op.action == FORWARD:
         if stage == 0:
             return []
         return [(Op(FORWARD, op.microbatch, (stage - 1) // p), (stage - 1) % p)]
-    if op.kind == WEIGHT_GRAD:
+    if op.action == WEIGHT_GRAD:
         return [(Op(INPUT_GRAD, op.microbatch, op.chunk), rank)]
     needs = [(Op(FORWARD, op.microbatch, op.chunk), rank)]
     if stage < last:                                   # the gradient from the next virtual stage
@@ -137,7 +147,7 @@ class ScheduleError(ValueError):
 
 def simulate(schedules: list[list[Op]], m: int, v: int = 1, cost=None) -> list[Fraction]:
     """Run every stage's list in order, each operation as soon as what it depends on
-    has finished (cost: time per kind, divided by v per chunk). Returns the time each
+    has finished (cost: time per action, divided by v per chunk). Returns the time each
     stage finishes. Raises ScheduleError if an operation is missing, repeated, or
     waits forever (the executor would deadlock)."""
     p, cost = len(schedules), cost or UNIT_COST
@@ -153,10 +163,10 @@ def simulate(schedules: list[list[Op]], m: int, v: int = 1, cost=None) -> list[F
                 needs = dependencies(op, rank, p, v)
                 if not all(dep in finished for dep in needs):
                     break
-                clock[rank] = max([clock[rank]] + [finished[dep] for dep in needs]) + Fraction(cost[op.kind], v)
+                clock[rank] = max([clock[rank]] + [finished[dep] for dep in needs]) + Fraction(cost[op.action], v)
                 finished[(op, rank)] = clock[rank]
-                if op.kind == BACKWARD:               # a whole backward includes the input half
-                    finished[(op._replace(kind=INPUT_GRAD), rank)] = clock[rank]
+                if op.action == BACKWARD:               # a whole backward includes the input half
+                    finished[(op._replace(action=INPUT_GRAD), rank)] = clock[rank]
                 position[rank] += 1
                 progress = True
     stuck = {rank: str(ops[position[rank]]) for rank, ops in enumerate(schedules) if position[rank] < len(ops)}
@@ -172,7 +182,7 @@ def check_complete(ops: list[Op], m: int, v: int, rank: int = 0) -> None:
     for i in range(m):
         for c in range(v):
             backward = {BACKWARD} if Op(BACKWARD, i, c) in present else {INPUT_GRAD, WEIGHT_GRAD}
-            expected |= {Op(kind, i, c) for kind in {FORWARD} | backward}
+            expected |= {Op(action, i, c) for action in {FORWARD} | backward}
     if len(ops) != len(present) or present != expected:
         missing, extra = expected - present, present - expected
         twice = {op for op in ops if ops.count(op) > 1}
@@ -185,7 +195,7 @@ def ideal_bubble(name: str, p: int, m: int, v: int = 1) -> float:
     """The bubble of the schedule's unit-cost timeline: 1 - busy / (p * makespan)."""
     schedules = [make_schedule(name, m, p, stage, v) for stage in range(p)]
     makespan = max(simulate(schedules, m, v))
-    busy = sum(Fraction(UNIT_COST[op.kind], v) for ops in schedules for op in ops)
+    busy = sum(Fraction(UNIT_COST[op.action], v) for ops in schedules for op in ops)
     return float(1 - busy / (p * makespan))
 
 
@@ -194,6 +204,6 @@ def peak_in_flight(ops: list[Op]) -> int:
     forward until their whole backward or their weight half."""
     alive = peak = 0
     for op in ops:
-        alive += {FORWARD: 1, BACKWARD: -1, WEIGHT_GRAD: -1}.get(op.kind, 0)
+        alive += {FORWARD: 1, BACKWARD: -1, WEIGHT_GRAD: -1}.get(op.action, 0)
         peak = max(peak, alive)
     return peak

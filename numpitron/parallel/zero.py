@@ -2,7 +2,8 @@
 also gradients, sharded over dp. (Stage 3, parameters too: zero3.py.)
 
 Each dp rank owns one contiguous 1/dp slice [lo, hi) of the stage's flat parameter
-buffer, which it pads to a multiple of dp so the slices are equal. Per step:
+buffer, which it pads to a multiple of dp so the slices are equal (`OwnedSlice`,
+which stage 3 shares). Per step:
 
   1. reduce-scatter the gradients: rank r receives the dp-sum of slice r only;
   2. the global norm from the slices (each element lives on exactly one dp rank);
@@ -19,11 +20,43 @@ keeps nothing but its slice of the gradients between steps.
 
 import numpy as np
 
-from numpitron.distributed.sharding import pieces_of_range, shard_bounds
+from numpitron.distributed.sharding import piece_in_slice, pieces_of_range, shard_bounds
 from numpitron.nn.param import mask_runs
 from numpitron.optim.distributed import DistributedOptimizer, GradientGroup
 from numpitron.optim.grad_norm import clip_, global_grad_sumsq
+from numpitron.optim.training_state import TrainingState
 from numpitron.parallel.data_parallel import GradientBuckets
+
+
+class OwnedSlice:
+    """This rank's 1/dp slice [lo, hi) of a store's flat buffers (the store padded so
+    the slices are equal): the dp-summed gradients on it, the runs of its elements that
+    the norm counts and weight decay applies to, and where any range of the whole
+    buffer falls over the ranks' slices. What ZeRO stages 1, 2 and 3 share."""
+
+    def __init__(self, store, comm):
+        store.pad_to_multiple(comm.size)
+        self.size, self.comm = store.size, comm
+        self.lo, self.hi = shard_bounds(store.size, comm.size, comm.rank)
+        self.grads = np.zeros(self.hi - self.lo, store.dtype)
+        self.decay_runs = mask_runs(store.decay_mask[self.lo:self.hi])
+        self.norm_runs = mask_runs(store.norm_mask[self.lo:self.hi])
+
+    def split(self, lo: int, hi: int) -> tuple[list[int], slice]:
+        """[lo, hi) of the whole buffer over the ranks' slices: each rank's count (of a
+        reduce-scatter or an all-gather of the range), and where this rank's piece lies
+        within its own slice."""
+        return (pieces_of_range(lo, hi, self.size, self.comm.size),
+                piece_in_slice(lo, hi, self.size, self.comm.size, self.comm.rank))
+
+    def grad_sumsq(self, world) -> float:
+        """Slices are disjoint over dp and stages over pp; the norm mask handles tp."""
+        return global_grad_sumsq(self.grads, self.norm_runs, world)
+
+    def update(self, adam, params, lr: float, norm: float, max_norm: float) -> None:
+        """Clip the slice's gradients by the global norm, AdamW on `params` (the slice)."""
+        clip_(self.grads, norm, max_norm)
+        adam.update(params, self.grads, self.decay_runs, lr)
 
 
 class ZeroOneOptimizer(DistributedOptimizer):
@@ -32,44 +65,25 @@ class ZeroOneOptimizer(DistributedOptimizer):
     def __init__(self, store, topo, train_cfg, parallel_cfg=None, group=None):
         # Sharded over the store's replicas: dp and cp together hold the same parameters
         # (an expert store: its dp/ep expert_dp ranks).
-        dp = (group or GradientGroup.dense(topo)).comm
-        store.pad_to_multiple(dp.size)
-        super().__init__(store, topo, train_cfg, *shard_bounds(store.size, dp.size, dp.rank), group)
-        self.grad_shard = np.zeros(self.hi - self.lo, store.dtype)
-        # The mask runs of this rank's slice (ZeRO-3 frees the whole-stage masks).
-        self.decay_runs = mask_runs(store.decay_mask[self.lo:self.hi])
-        self.norm_runs = mask_runs(store.norm_mask[self.lo:self.hi])
+        group = group or GradientGroup.dense(topo)
+        self.owned = OwnedSlice(store, group.comm)
+        super().__init__(store, topo, train_cfg, self.owned.lo, self.owned.hi, group)
+        self.state = TrainingState(store, group.comm, self.adam, self.lo, store.data)
 
-    def memory_bytes(self) -> dict:
+    def kept_grads(self) -> list[np.ndarray]:
         """The whole gradient buffer (freed between steps from stage 2 on) and the slice."""
-        memory = super().memory_bytes()
-        return {**memory, "grads": memory["grads"] + self.grad_shard.nbytes}
+        return super().kept_grads() + [self.owned.grads]
 
     def reduce_grads(self) -> None:
-        self.group.comm.reduce_scatter(self.store.grad, self.grad_shard)     # 1.
-        self.grad_shard *= 1.0 / self.group.batch_ranks
+        self.group.comm.reduce_scatter(self.store.grad, self.owned.grads)    # 1.
+        self.owned.grads *= 1.0 / self.group.batch_ranks
 
     def grad_sumsq(self) -> float:
-        # 2. Slices are disjoint over dp and stages over pp; the mask handles tp.
-        return global_grad_sumsq(self.grad_shard, self.norm_runs, self.topo.world)
+        return self.owned.grad_sumsq(self.topo.world)                       # 2.
 
     def update(self, lr: float, norm: float) -> None:
-        self.update_shard(self.store.data[self.lo:self.hi], lr, norm)        # 3.
+        self.owned.update(self.adam, self.store.data[self.lo:self.hi], lr, norm, self.train_cfg.grad_clip)  # 3.
         self.group.comm.all_gather(self.store.data)                          # 4.
-
-    def update_shard(self, params_shard, lr: float, norm: float) -> None:
-        """Step 3 on this rank's slice: clip by the global norm, AdamW."""
-        clip_(self.grad_shard, norm, self.train_cfg.grad_clip)
-        self.adam.update(params_shard, self.grad_shard, self.decay_runs, lr)
-
-    def full_moments(self):
-        """Gather m and v over dp into full-stage buffers."""
-        full = []
-        for shard in (self.adam.m, self.adam.v):
-            buf = np.zeros(self.store.size, self.store.dtype)
-            buf[self.lo:self.hi] = shard
-            full.append(self.group.comm.all_gather(buf))
-        return tuple(full)
 
 
 class ZeroTwoOptimizer(ZeroOneOptimizer):
@@ -92,16 +106,14 @@ class ZeroTwoOptimizer(ZeroOneOptimizer):
 
     def reduce_scatter_bucket(self, lo: int, hi: int):
         """Start summing grad[lo:hi] over dp; this rank keeps the part in its slice."""
-        dp = self.group.comm
-        counts = pieces_of_range(lo, hi, self.store.size, dp.size)
-        start = max(lo, self.lo) - self.lo
-        return dp.ireduce_scatter(self.store.grad[lo:hi], self.grad_shard[start:start + counts[dp.rank]], counts)
+        counts, mine = self.owned.split(lo, hi)
+        return self.group.comm.ireduce_scatter(self.store.grad[lo:hi], self.owned.grads[mine], counts)
 
     def zero_grad(self) -> None:
         self.store.allocate_grads()
 
-    def memory_bytes(self) -> dict:
-        return {**super().memory_bytes(), "backward_grads_peak": self.store.size * self.store.dtype.itemsize}
+    def pass_peaks(self) -> tuple[int, int]:
+        return 0, self.store.size
 
     def grads_ready(self, params) -> None:
         self.buckets.ready(params)
@@ -109,4 +121,4 @@ class ZeroTwoOptimizer(ZeroOneOptimizer):
     def reduce_grads(self) -> None:
         self.buckets.finish()                   # 1. the reduce-scatters the backward started
         self.store.free_grads()
-        self.grad_shard *= 1.0 / self.group.batch_ranks
+        self.owned.grads *= 1.0 / self.group.batch_ranks

@@ -16,7 +16,7 @@ The units are FSDP's usual wrapping: each transformer block is one, and the rest
 (embeddings, positions, final LayerNorm: the "root", which the first and last
 layers share through the tied embedding) is one that stays gathered from the
 first forward of a step to its update. A layer's parameters are cut where the
-ranks' slices of the whole stage fall (`pieces_of_range`), so one rank may hold all
+ranks' slices of the whole stage fall (`OwnedSlice.split`), so one rank may hold all
 of a small layer and another none: the bytes a pass moves add up to the whole
 stage all the same.
 
@@ -32,8 +32,9 @@ stage; config.py refuses it (as Megatron-LM and DeepSpeed do).
 
 import numpy as np
 
-from numpitron.distributed.sharding import pieces_of_range
-from numpitron.parallel.zero import ZeroOneOptimizer
+from numpitron.optim.distributed import DistributedOptimizer, GradientGroup
+from numpitron.optim.training_state import TrainingState
+from numpitron.parallel.zero import OwnedSlice
 
 ROOT = -1
 
@@ -56,54 +57,51 @@ class Unit:
         self.nelements = sum(b - a for a, b in self.ranges)
 
 
-class ZeroThreeOptimizer(ZeroOneOptimizer):
+class ZeroThreeOptimizer(DistributedOptimizer):
+    """ZeRO-1's slice (`OwnedSlice`: its gradients, its norm, its update), but the
+    slice of the parameters is all this rank keeps: the stage's whole buffers are freed
+    and the residency gathers each layer while it runs."""
+
     zero_stage = 3
 
     def __init__(self, store, topo, train_cfg, parallel_cfg, group=None):
-        super().__init__(store, topo, train_cfg, parallel_cfg, group)
+        group = group or GradientGroup.dense(topo)
+        self.owned = OwnedSlice(store, group.comm)
+        super().__init__(store, topo, train_cfg, self.owned.lo, self.owned.hi, group)
         self.param_shard = store.data[self.lo:self.hi].copy()
         self.overlap = parallel_cfg.overlap_grad_reduce
         self.gatherer = None
+        self.state = TrainingState(store, group.comm, self.adam, self.lo, self.param_shard, params_lo=self.lo,
+                                   after_load=lambda: self.gatherer.release_root())
         store.free_buffers()          # from now on only the slices above exist
+
+    @property
+    def params(self) -> np.ndarray:
+        return self.param_shard
+
+    def kept_grads(self) -> list[np.ndarray]:
+        return [self.owned.grads]
+
+    def pass_peaks(self) -> tuple[int, int]:
+        return self.gatherer.peak_params, self.gatherer.peak_grads
 
     def residency(self, model):
         self.gatherer = LayerGatherer(model, self)
         return self.gatherer
 
-    def params_range(self, lo: int, hi: int) -> np.ndarray:
-        return self.param_shard[lo - self.lo:hi - self.lo]
-
     def zero_grad(self) -> None:
-        self.grad_shard.fill(0)
+        self.owned.grads.fill(0)
 
     def reduce_grads(self) -> None:
         self.gatherer.finish_backward()        # the root's reduce-scatter, the last blocks'
-        self.grad_shard *= 1.0 / self.group.batch_ranks
+        self.owned.grads *= 1.0 / self.group.batch_ranks
+
+    def grad_sumsq(self) -> float:
+        return self.owned.grad_sumsq(self.topo.world)
 
     def update(self, lr: float, norm: float) -> None:
-        self.update_shard(self.param_shard, lr, norm)
+        self.owned.update(self.adam, self.param_shard, lr, norm, self.train_cfg.grad_clip)
         self.gatherer.release_root()           # its values just changed: gather afresh
-
-    def loaded_ranges(self) -> list[tuple[str, int, int]]:
-        return [(kind, self.lo, self.hi) for kind in ("params", "adam_m", "adam_v")]
-
-    def load_flat(self, get_range, step_count: int) -> None:
-        self.param_shard[...] = get_range("params", self.lo, self.hi)
-        self.adam.load_state(get_range("adam_m", self.lo, self.hi), get_range("adam_v", self.lo, self.hi),
-                             step_count)
-        self.gatherer.release_root()
-
-    def full_params(self) -> np.ndarray:
-        full = np.zeros(self.store.size, self.store.dtype)
-        full[self.lo:self.hi] = self.param_shard
-        return self.group.comm.all_gather(full)
-
-    def memory_bytes(self) -> dict:
-        item = self.store.dtype.itemsize
-        return {"params": self.param_shard.nbytes, "grads": self.grad_shard.nbytes,
-                "optimizer_state": self.state_nbytes(),
-                "gathered_params_peak": self.gatherer.peak_params * item,
-                "backward_grads_peak": self.gatherer.peak_grads * item}
 
 
 class LayerGatherer:
@@ -125,7 +123,7 @@ class LayerGatherer:
                               for layer in model.layers]
         self.params = {}            # unit -> (buffers, pending all-gathers)
         self.grads = {}             # unit -> gradient buffers
-        self.reducing = []          # (pending reduce-scatter, piece received, where it adds, buffer sent)
+        self.reducing = []          # (pending reduce-scatter, piece received, where in the slice it adds, buffer sent)
         self.peak_params = self.peak_grads = 0
 
     # -- the hooks ---------------------------------------------------------------
@@ -158,11 +156,9 @@ class LayerGatherer:
         """Start the all-gathers of a unit's ranges into fresh buffers."""
         buffers, pending = [], []
         for a, b in self.units[unit].ranges:
-            counts = pieces_of_range(a, b, self.store.size, self.dp.size)
-            start = max(a, self.opt.lo) - self.opt.lo
+            counts, mine = self.opt.owned.split(a, b)
             buffers.append(np.empty(b - a, self.store.dtype))
-            pending.append(self.dp.iall_gather(self.opt.param_shard[start:start + counts[self.dp.rank]],
-                                               buffers[-1], counts))
+            pending.append(self.dp.iall_gather(self.opt.param_shard[mine], buffers[-1], counts))
         self.params[unit] = (buffers, pending)
 
     def _prefetch(self, index: int) -> None:
@@ -211,10 +207,9 @@ class LayerGatherer:
         """Start summing a unit's gradients over dp; each rank's piece is added to its
         gradient slice when the reduce-scatter completes (`_drain`)."""
         for buffer, (a, b) in zip(buffers, unit.ranges):
-            counts = pieces_of_range(a, b, self.store.size, self.dp.size)
-            start = max(a, self.opt.lo) - self.opt.lo
+            counts, mine = self.opt.owned.split(a, b)
             piece = np.empty(counts[self.dp.rank], self.store.dtype)
-            self.reducing.append((self.dp.ireduce_scatter(buffer, piece, counts), piece, start, buffer))
+            self.reducing.append((self.dp.ireduce_scatter(buffer, piece, counts), piece, mine, buffer))
         for p in unit.params:
             p.grad = None
         return len(buffers)
@@ -223,9 +218,9 @@ class LayerGatherer:
         """Complete all but the newest `keep` reduce-scatters, adding each received piece
         into this rank's gradient slice, and let their buffers go."""
         done, self.reducing = self.reducing[:len(self.reducing) - keep], self.reducing[len(self.reducing) - keep:]
-        for pending, piece, start, _ in done:
+        for pending, piece, mine, _ in done:
             self.dp.wait(pending)
-            self.opt.grad_shard[start:start + piece.size] += piece
+            self.opt.owned.grads[mine] += piece
         self.dp.test([pending for pending, *_ in self.reducing])
 
     def finish_backward(self) -> None:

@@ -130,7 +130,7 @@ def peak_activation_bytes(model, parallel, train, rank: Rank) -> int:
     m, alive, peak = train.num_microbatches(rank.dp), 0, 0
     for op in make_schedule(parallel.schedule, m, rank.pp, rank.stage, parallel.virtual_stages):
         nbytes = chunk_activation_bytes(model, parallel, train, rank, op.chunk)
-        alive += nbytes if op.kind == FORWARD else -nbytes if op.kind in (BACKWARD, WEIGHT_GRAD) else 0
+        alive += nbytes if op.action == FORWARD else -nbytes if op.action in (BACKWARD, WEIGHT_GRAD) else 0
         peak = max(peak, alive)
     return peak
 

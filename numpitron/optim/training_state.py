@@ -1,0 +1,77 @@
+"""Which parts of a store's flat buffers one optimizer keeps: what a checkpoint saves
+and loads of it (checkpoint/sharded.py, load.py), and what an export gathers.
+
+A checkpoint holds three flat buffers, each laid out like the store's parameters
+(`ParamStore`): the parameters and Adam's two moments (`FLAT_BUFFERS`). A *range* is a
+half-open [lo, hi) of that layout. The optimizer keeps each buffer on one range: the
+moments on the slice [lo, hi) it updates, the parameters on the whole stage (every
+replica holds them) or, under ZeRO-3, on the same slice.
+
+    save_range()              the range this rank writes: its ZeRO slice (without
+                              ZeRO the replicas split the writing the same way)
+    values_in_range(lo, hi)   {buffer: its values on [lo, hi)}, inside what it keeps
+    load_ranges()             [(buffer, lo, hi)]: every range it reads back
+    load(read_range, t)       restore from read_range(buffer, lo, hi)
+    whole(buffer)             a buffer over the whole stage, gathered (tests, exports)
+"""
+
+import numpy as np
+
+from numpitron.distributed.sharding import balanced_bounds
+
+FLAT_BUFFERS = ("params", "adam_m", "adam_v")
+
+
+class TrainingState:
+    def __init__(self, store, comm, adam, lo: int, params: np.ndarray, params_lo: int = 0, after_load=None):
+        """params: where the optimizer keeps parameter values, from `params_lo` of the
+        flat layout on; adam: its moments, on [lo, lo + adam's size); comm: the ranks
+        that share the store (they split the writing); after_load: called once the
+        values are in (ZeRO-3 drops parameters it had gathered)."""
+        self.store, self.comm, self.adam = store, comm, adam
+        self.lo, self.params, self.params_lo, self.after_load = lo, params, params_lo, after_load
+
+    def _held(self, buffer: str) -> tuple[np.ndarray, int]:
+        """The values the optimizer keeps of `buffer`, and where they start in the layout."""
+        if buffer == "params":
+            return self.params, self.params_lo
+        return (self.adam.m if buffer == "adam_m" else self.adam.v), self.lo
+
+    def save_range(self) -> tuple[int, int]:
+        return balanced_bounds(self.store.size, self.comm.size, self.comm.rank)
+
+    def values_in_range(self, lo: int, hi: int) -> dict:
+        hi_moments = self.lo + self.adam.m.size
+        if not (self.lo <= lo <= hi <= hi_moments):
+            raise ValueError(f"[{lo}, {hi}) is outside this rank's [{self.lo}, {hi_moments})")
+        values = {}
+        for buffer in FLAT_BUFFERS:
+            held, start = self._held(buffer)
+            values[buffer] = held[lo - start:hi - start]
+        return values
+
+    def load_ranges(self) -> list[tuple[str, int, int]]:
+        ranges = []
+        for buffer in FLAT_BUFFERS:
+            held, start = self._held(buffer)
+            ranges.append((buffer, start, start + held.size))
+        return ranges
+
+    def load(self, read_range, step_count: int) -> None:
+        """read_range(buffer, lo, hi) returns a buffer's values on [lo, hi) of the flat
+        layout (zeros where it is padding)."""
+        ranges = self.load_ranges()
+        self.params[...] = read_range(*ranges[0])
+        self.adam.load_state(read_range(*ranges[1]), read_range(*ranges[2]), step_count)
+        if self.after_load is not None:
+            self.after_load()
+
+    def whole(self, buffer: str) -> np.ndarray:
+        """`buffer` over the whole stage on every rank of comm (a collective when the
+        optimizer keeps only a slice of it)."""
+        held, start = self._held(buffer)
+        if held.size == self.store.size:
+            return held
+        whole = np.zeros(self.store.size, self.store.dtype)
+        whole[start:start + held.size] = held
+        return self.comm.all_gather(whole)
