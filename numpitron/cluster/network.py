@@ -30,6 +30,10 @@ MTU = 1500
 # The token buckets queue rather than drop: a dropped segment would be sent again,
 # and the bytes a link counts would no longer be the bytes the job sent.
 QUEUE_LIMIT_BYTES = 16 * 2**20
+# Every frame on a link carries Ethernet (14 bytes; a veth counts no preamble or
+# checksum), IPv4 (20) and TCP with the timestamp option (20 + 12) headers: a
+# segment holds at most MTU - 52 = 1448 bytes of what the job sent.
+FRAME_HEADER_BYTES = 14 + 20 + 32
 
 
 class ClusterError(Exception):
@@ -127,6 +131,7 @@ def create(spec: ClusterSpec) -> None:
             # bytes no job sent. The cluster speaks IPv4 only.
             for scope in ("all", "default"):
                 run_ip("ip", "netns", "exec", namespace, "sysctl", "-q", "-w", f"net.ipv6.conf.{scope}.disable_ipv6=1")
+            run_ip("ip", "netns", "exec", namespace, "sysctl", "-q", "-w", "net.ipv4.tcp_timestamps=1")
             _up(namespace, "lo")
         sw = spec.switch
         run_ip("ip", "-n", sw, "link", "add", "core", "type", "bridge")
