@@ -70,7 +70,10 @@ def plan(model, parallel, train, mesh, device) -> dict:
         activations = scale * peak_activation_bytes(model, parallel, train, rank)
         comm = {kind: scale * nbytes for kind, nbytes in comm_bytes(model, parallel, train, rank).items()}
         per_mb = price(microbatch_work(model, parallel, train, rank), device, itemsize)
-        t_comm = {kind: _link_time(kind, nbytes, mesh, device) for kind, nbytes in comm.items()}
+        # On a cluster a rank waiting for a link gives its core away, so time-sharing
+        # does not stretch link time (on one CPU node a "link" is a copy a core makes).
+        on_links = share if device.ranks_per_host else 1.0
+        t_comm = {kind: _link_time(kind, nbytes, mesh, device) / on_links for kind, nbytes in comm.items()}
         tiers = {}
         for kind, nbytes in comm.items():
             tier = tiers.setdefault(link_tier(kind, mesh, device), {"bytes": 0.0, "seconds": 0.0})
@@ -169,7 +172,20 @@ def groups_across_hosts(mesh, device) -> list[str]:
 
 
 def _link_time(kind: str, nbytes: float, mesh, device) -> float:
-    inside = link_tier(kind, mesh, device) == "intra"
-    latency = device.intra_latency if inside else device.inter_latency
-    bandwidth = device.intra_bandwidth if inside else device.inter_bandwidth
-    return latency + nbytes / bandwidth
+    """A collective's seconds: alpha + bytes / beta on one tier. A collective that
+    crosses hosts runs hierarchically (as MPICH's does): its q ranks on each host
+    reduce-scatter (or gather) among themselves, and each sends only its 1/q share
+    across the h hosts, so the inter-host tier carries (h-1)/h of the buffer over q
+    per rank, where the flat ring would have sent (g-1)/g of it."""
+    group = kind.split(".")[0]
+    if link_tier(kind, mesh, device) == "intra":
+        return device.intra_latency + nbytes / device.intra_bandwidth
+    tp, pp, dp, cp = mesh
+    size, stride = {"tp": (tp, 1), "cp": (cp, tp), "dp_cp": (dp * cp, tp)}.get(group, (1, 1))
+    per_host = max(1, min(size, device.host_size() // stride))        # the group's ranks on one host
+    hosts = size // per_host
+    if kind.endswith(("send", "recv", "broadcast", "all_to_all")) or per_host == 1:    # and pp, model, world
+        return device.inter_latency + nbytes / device.inter_bandwidth
+    buffer = nbytes * size / (size - 1)        # bytes of the ring's formula -> the buffer times its factor
+    return (device.intra_latency + buffer * (per_host - 1) / per_host / device.intra_bandwidth
+            + device.inter_latency + buffer * (hosts - 1) / hosts / per_host / device.inter_bandwidth)
