@@ -160,6 +160,34 @@ def test_a_matmul_curve_is_read_between_its_points_and_flat_beyond():
     assert PAPER["a100-80gb-node"].matmul_flops(10) == 312e12                 # no curve: the peak
 
 
+@pytest.mark.parametrize("mesh, across", [((2, 1, 2, 1), ["dp_cp"]), ((4, 1, 1, 1), ["tp"]),
+                                          ((1, 2, 1, 2), ["pp"]), ((1, 1, 4, 1), ["dp_cp"]), ((2, 1, 1, 1), [])])
+def test_a_cluster_profile_splits_the_bytes_into_two_tiers(mesh, across):
+    """Hosts of two ranks, filled in order: a group stays on one host when the ranks it
+    spans divide a host's; its bytes go at that tier's bandwidth."""
+    from dataclasses import replace
+
+    from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
+    from numpitron.plan.devices import load_device
+    from numpitron.plan.predict import plan
+    cluster = replace(load_device("this-machine"), ranks_per_host=2, intra_bandwidth=1e8, inter_bandwidth=1e7,
+                      intra_latency=0.0, inter_latency=0.0, cores_per_node=0)
+    result = plan(ModelConfig(), ParallelConfig(), TrainConfig(micro_batch_size=12), mesh, cluster)
+    assert result["groups_across_hosts"] == across
+    stage = result["stages"][0]
+    whole_world = ["model", "world", "embedding"] if mesh[0] * mesh[1] * mesh[2] * mesh[3] > 2 else []
+    inter = sum(v for k, v in stage["comm_bytes"].items() if k.split(".")[0] in across + whole_world)
+    assert stage["tiers"].get("inter", {}).get("bytes", 0.0) == pytest.approx(inter)
+    hierarchical = {(1, 1, 4, 1): "dp_cp.all_reduce", (4, 1, 1, 1): "tp.all_reduce"}.get(mesh)
+    inter_seconds = inter / 1e7                 # one rank of each group a host: the whole ring crosses
+    if hierarchical:     # two ranks a host: each sends half the buffer's share across (predict._link_time)
+        ring = stage["comm_bytes"][hierarchical]
+        buffer = ring * 4 / 3
+        inter_seconds += buffer / 2 / 1e8 + buffer / 2 / 2 / 1e7 - ring / 1e7
+    assert stage["tiers"].get("inter", {}).get("seconds", 0.0) == pytest.approx(inter_seconds)
+    assert sum(t["bytes"] for t in stage["tiers"].values()) == pytest.approx(sum(stage["comm_bytes"].values()))
+
+
 def test_ranks_beyond_the_cores_share_them():
     from dataclasses import replace
 

@@ -8,6 +8,7 @@ verdict before asserting, so one failing rank never leaves the others hanging.
 """
 
 import re
+import socket
 
 import numpy as np
 import pytest
@@ -115,9 +116,11 @@ def test_four_d_mesh_with_context_parallel_groups(sizes):
         "dp_cp rank": topo.dp_cp_comm.rank == topo.dp_cp_rank == d * K + c,
         "pp group": members(topo.pp_comm) == [at(x, d, c, t) for x in range(P)],
         "model group": sorted(members(topo.model_comm)) == sorted(at(s, d, c, x) for s in range(P) for x in range(T)),
-        "printout lists every rank once": sorted(int(x) for line in str(topo).splitlines()[1:]
-                                                 for x in re.findall(r"\b\d+\b", line.split(":", 1)[1]))
+        "printout lists every rank once": sorted(int(x) for line in str(topo).splitlines()
+                                                 if line.startswith("  stage") for x in re.findall(r"\b\d+\b", line.split(":", 1)[1]))
                                           == list(range(8)),
+        "printout names every rank's host": str(topo).splitlines()[-1]
+        == f"  hosts: {socket.gethostname()} [{' '.join(map(str, range(8)))}]",
     }
     assert_on_every_rank(flags)
 

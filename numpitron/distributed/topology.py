@@ -12,6 +12,7 @@ ranks with the same position in their ep group (dp_rank % ep) hold the same expe
 and average their gradients (the expert_dp group, dp / ep ranks).
 """
 
+import socket
 from typing import NamedTuple
 
 from numpitron.distributed.comm import Comm, CommStats
@@ -76,6 +77,9 @@ class Topology:
         self.dp_cp_rank = self.dp_rank * cp + self.cp_rank
         self.expert_dp_rank, self.ep_rank = divmod(self.dp_rank, ep)
         self.world = Comm(world, self.stats, "world")
+        # Each rank's host, gathered once at set-up: the printout names them, and a
+        # group whose ranks sit on several hosts crosses the network (docs/17-many-hosts.md).
+        self.hostnames = [socket.gethostname()] if world is None else world.allgather(socket.gethostname())
         if world is None:
             for name in GROUPS:
                 setattr(self, f"{name}_comm", Comm(None, self.stats, name))
@@ -162,4 +166,22 @@ class Topology:
             replicas = ["[" + " | ".join(" ".join(str(self.world_rank_of(s, d, t, c)) for t in range(self.tp))
                                          for c in range(self.cp)) + "]" for d in range(self.dp)]
             lines.append(f"  stage {s}: data replicas [sequence parts | ...] of tp groups {' '.join(replicas)}")
+        hosts = dict.fromkeys(self.hostnames)
+        lines.append("  hosts: " + ", ".join(
+            f"{host} [{' '.join(str(r) for r, h in enumerate(self.hostnames) if h == host)}]" for host in hosts))
+        if len(hosts) > 1:
+            lines.append("  groups that cross hosts: " + (", ".join(self.groups_across_hosts()) or "none"))
         return "\n".join(lines)
+
+    def groups_across_hosts(self) -> list[str]:
+        """The mesh axes (tp, cp, dp, pp) some of whose groups hold ranks of more than
+        one host: their collectives cross the network."""
+        strides = {"tp": (self.tp, 1), "cp": (self.cp, self.tp), "dp": (self.dp, self.tp * self.cp),
+                   "pp": (self.pp, self.tp * self.cp * self.dp)}
+        crossing = []
+        for axis, (size, stride) in strides.items():
+            for rank in range(self.world_size):
+                if (rank // stride) % size == 0 and len({self.hostnames[rank + i * stride] for i in range(size)}) > 1:
+                    crossing.append(axis)
+                    break
+        return crossing

@@ -53,6 +53,15 @@ class Device:
     time_sharing_wait: float = 0.0  # seconds a blocking collective adds when ranks outnumber cores
     slowest_rank: float = 1.0      # a synchronous step's pace on a busy node: the slowest rank's time
     #                                over a rank's own (1: a GPU, or a core no one else disturbs)
+    ranks_per_host: int = 0        # > 0: ranks fill hosts of this many in order (a cluster, such as
+    #                                numpitron.cluster's), and intra_* / inter_* are the two tiers
+
+    def host_size(self) -> int:
+        """Ranks that reach each other over the intra-host tier: ranks_per_host when set,
+        else a GPU node's devices, else every rank (one CPU node holds them all)."""
+        if self.ranks_per_host:
+            return self.ranks_per_host
+        return 2**62 if self.cores_per_node else self.devices_per_node
 
     def matmul_flops(self, size: float) -> float:
         """FLOP/s of a matmul call of `size` FLOPs: the curve, interpolated linearly in

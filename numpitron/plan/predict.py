@@ -12,9 +12,10 @@ micro-batch at a time, priced by the device profile (devices.py):
 * AdamW: its passes over the elements the rank updates, and the norm, clipping and
   zeroing over its gradient buffer, priced the same way.
 
-Collectives: for each kind, its bytes at the link's bandwidth plus a latency (tp and cp
-inside a node when their groups fit in one, the rest across nodes; a CPU node holds
-every rank). Tensor-, context- and pipeline-parallel traffic is exposed; the
+Collectives: for each kind, its bytes at its tier's bandwidth plus a latency. Ranks fill
+hosts in order (devices.Device.host_size), so a group of consecutive ranks stays on one
+host when the ranks it spans divide a host's: tp spans tp ranks, cp tp x cp, dp tp x cp
+x dp, pp all of them. Such a group uses the intra-host tier, any other the inter-host one. Tensor-, context- and pipeline-parallel traffic is exposed; the
 data-parallel reduction is hidden behind the backward but for its last bucket.
 
 Pipelines: m micro-batches' stage time stretched by the schedule's bubble b, m t / (1 - b):
@@ -69,7 +70,15 @@ def plan(model, parallel, train, mesh, device) -> dict:
         activations = scale * peak_activation_bytes(model, parallel, train, rank)
         comm = {kind: scale * nbytes for kind, nbytes in comm_bytes(model, parallel, train, rank).items()}
         per_mb = price(microbatch_work(model, parallel, train, rank), device, itemsize)
-        t_comm = {kind: _link_time(kind, nbytes, mesh, device) for kind, nbytes in comm.items()}
+        # On a cluster a rank waiting for a link gives its core away, so time-sharing
+        # does not stretch link time (on one CPU node a "link" is a copy a core makes).
+        on_links = share if device.ranks_per_host else 1.0
+        t_comm = {kind: _link_time(kind, nbytes, mesh, device) / on_links for kind, nbytes in comm.items()}
+        tiers = {}
+        for kind, nbytes in comm.items():
+            tier = tiers.setdefault(link_tier(kind, mesh, device), {"bytes": 0.0, "seconds": 0.0})
+            tier["bytes"] += nbytes
+            tier["seconds"] += t_comm[kind]
         exposed_per_mb = sum(t for kind, t in t_comm.items() if kind.split(".")[0] in ("tp", "cp", "pp")) / m
         t_adam = sum(price(step_work(model, parallel, rank), device, itemsize).values())
         dp_time = sum(t for kind, t in t_comm.items() if kind.startswith("dp_cp."))
@@ -82,7 +91,7 @@ def plan(model, parallel, train, mesh, device) -> dict:
         compute_per_mb = sum(per_mb.values())
         step = stretch * (m * (compute_per_mb + exposed_per_mb) / (1 - bubble) + t_adam + exposed_dp)
         stages.append({"stage": stage, **state, "activations_peak": activations,
-                       "total_peak": sum(state.values()) + activations, "comm_bytes": comm,
+                       "total_peak": sum(state.values()) + activations, "comm_bytes": comm, "tiers": tiers,
                        "time_s": {**{kind: stretch * m * t for kind, t in per_mb.items()},
                                   "exposed_comm": stretch * (m * exposed_per_mb + exposed_dp),
                                   "optimizer": stretch * t_adam, "bubble": stretch * m * (compute_per_mb + exposed_per_mb)
@@ -90,6 +99,7 @@ def plan(model, parallel, train, mesh, device) -> dict:
     step = max(s["time_s"]["step"] for s in stages)
     flops = model_flops(*args)
     return {"mesh": {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "devices": devices}, "microbatches": m,
+            "groups_across_hosts": groups_across_hosts(mesh, device),
             "model_flops_per_iteration": flops, "hardware_flops_per_iteration": hardware_flops(*args, parallel.recompute),
             "bubble": bubble, "time_sharing": share, "pace": stretch / share, "step_s": step, "tokens_per_s": global_batch * model.seq_len / step,
             "mfu": flops / (step * device.peak_flops * devices), "stages": stages,
@@ -146,12 +156,36 @@ def price(work: Work, device, itemsize: float) -> dict:
             "exp": work.exps * device.exp_time, "calls": work.calls * device.call_time}
 
 
-def _link_time(kind: str, nbytes: float, mesh, device) -> float:
+def link_tier(kind: str, mesh, device) -> str:
+    """"intra" when every group of this kind's communicator lies on one host, else "inter"."""
     tp, pp, dp, cp = mesh
+    span = {"tp": tp, "cp": tp * cp, "dp_cp": tp * cp * dp}.get(kind.split(".")[0], tp * cp * dp * pp)
+    host = device.host_size()
+    return "intra" if span <= host and host % span == 0 or span == 1 else "inter"
+
+
+def groups_across_hosts(mesh, device) -> list[str]:
+    """The groups whose collectives cross hosts (those of more than one rank)."""
+    tp, pp, dp, cp = mesh
+    sizes = {"tp": tp, "cp": cp, "dp_cp": dp * cp, "pp": pp}
+    return [group for group, size in sizes.items() if size > 1 and link_tier(group, mesh, device) == "inter"]
+
+
+def _link_time(kind: str, nbytes: float, mesh, device) -> float:
+    """A collective's seconds: alpha + bytes / beta on one tier. A collective that
+    crosses hosts runs hierarchically (as MPICH's does): its q ranks on each host
+    reduce-scatter (or gather) among themselves, and each sends only its 1/q share
+    across the h hosts, so the inter-host tier carries (h-1)/h of the buffer over q
+    per rank, where the flat ring would have sent (g-1)/g of it."""
     group = kind.split(".")[0]
-    span = {"tp": tp, "cp": tp * cp, "dp_cp": tp * cp * dp, "pp": tp * cp * dp * pp,
-            "embedding": tp * cp * dp * pp, "model": tp * cp * dp * pp, "world": tp * cp * dp * pp}[group]
-    inside = span <= device.devices_per_node or device.cores_per_node > 0      # a CPU node holds every rank
-    latency = device.intra_latency if inside else device.inter_latency
-    bandwidth = device.intra_bandwidth if inside else device.inter_bandwidth
-    return latency + nbytes / bandwidth
+    if link_tier(kind, mesh, device) == "intra":
+        return device.intra_latency + nbytes / device.intra_bandwidth
+    tp, pp, dp, cp = mesh
+    size, stride = {"tp": (tp, 1), "cp": (cp, tp), "dp_cp": (dp * cp, tp)}.get(group, (1, 1))
+    per_host = max(1, min(size, device.host_size() // stride))        # the group's ranks on one host
+    hosts = size // per_host
+    if kind.endswith(("send", "recv", "broadcast", "all_to_all")) or per_host == 1:    # and pp, model, world
+        return device.inter_latency + nbytes / device.inter_bandwidth
+    buffer = nbytes * size / (size - 1)        # bytes of the ring's formula -> the buffer times its factor
+    return (device.intra_latency + buffer * (per_host - 1) / per_host / device.intra_bandwidth
+            + device.inter_latency + buffer * (hosts - 1) / hosts / per_host / device.inter_bandwidth)

@@ -1,0 +1,125 @@
+"""The simulated cluster (numpitron/cluster, docs/17-many-hosts.md): its life cycle, each
+rank on its own host, every strategy exact across hosts, the bytes a host's link counts
+against the formula, and a job whose host loses its link ending with one line.
+
+Needs root and iproute2 (CI and the development machines run as root). Each test
+drives `python -m numpitron.cluster` as a user would; the cluster's prefix is the
+tests' own, so a cluster a user has up is never touched.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from numpitron.cluster import control
+from numpitron.cluster.network import FRAME_HEADER_BYTES, MTU, ClusterError, ClusterSpec, set_host_link
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+                                reason="the simulated cluster needs root and iproute2 (ip, tc)")
+
+PREFIX = "npt-test-"
+SCRIPT = str(REPO / "tests/scripts/on_cluster.py")
+MSS = MTU - 20 - 32                   # TCP payload of one full segment: IPv4 and TCP-with-timestamps headers
+
+
+def cluster(*args, prefix=PREFIX, timeout=120):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1", "OPENBLAS_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "numpitron.cluster", "--prefix", prefix, *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def on_cluster(n, *args, per_host=None):
+    extra = ["--per-host", str(per_host)] if per_host else []
+    done = cluster("run", "-n", str(n), *extra, "--", sys.executable, SCRIPT, *args)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def two_by_two():
+    """2 hosts x 2 ranks sharing memory, 200 Mbit/s between the hosts."""
+    cluster("down")
+    up = cluster("up", "--hosts", "2", "--ranks-per-host", "2", "--inter-host-rate", "200mbit")
+    assert up.returncode == 0, up.stderr
+    yield control.load(PREFIX)
+    assert cluster("down").returncode == 0
+
+
+def test_up_status_stale_and_down_are_clean_and_idempotent():
+    prefix = "npt-life-"
+    cluster("down", prefix=prefix)
+    up = cluster("up", "--hosts", "2", "--ranks-per-host", "1", "--inter-host-rate", "50mbit",
+                 "--intra-host-rate", "1gbit", prefix=prefix)
+    assert up.returncode == 0, up.stderr
+    assert up.stdout.startswith("up: 2 hosts x 1 ranks"), up.stdout
+    again = cluster("up", "--hosts", "1", "--ranks-per-host", "1", "--inter-host-rate", "1mbit", prefix=prefix)
+    assert again.returncode == 1 and again.stderr.count("\n") == 1 and "already up" in again.stderr
+    subprocess.run(["ip", "netns", "delete", f"{prefix}h1s0"], check=True)      # half a crash
+    status = cluster("status", prefix=prefix)
+    assert status.stdout.startswith("stale: ") and f"{prefix}h1s0" in status.stdout, status.stdout
+    refused = cluster("run", "-n", "1", "--", "true", prefix=prefix)
+    assert refused.returncode == 1 and "stale" in refused.stderr and refused.stderr.count("\n") == 1
+    assert cluster("down", prefix=prefix).returncode == 0
+    assert cluster("down", prefix=prefix).stdout.strip() == "nothing to remove"
+    assert cluster("status", prefix=prefix).stdout.strip() == "down"
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert prefix not in listed
+
+
+def test_without_root_one_line(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(ClusterError, match="needs root"):
+        control.up(ClusterSpec("npt-nope-", 1, 1, "1mbit"))
+
+
+def test_each_rank_runs_on_its_host_and_tp_stays_inside_one(two_by_two):
+    report = json.loads(on_cluster(4, "placement").splitlines()[-1])
+    assert report["hostnames"] == [f"{PREFIX}host0"] * 2 + [f"{PREFIX}host1"] * 2
+    assert report["crossing"] == ["dp"]                    # tp = 2 x dp = 2: tp inside a host
+    assert f"{PREFIX}host1 [2 3]" in report["printout"]
+
+
+def test_every_strategy_is_exact_across_hosts(two_by_two):
+    out = on_cluster(4, "equivalence")
+    assert out.count("same as one process") == 5, out
+
+
+@pytest.mark.parametrize("mesh", [{"data": 2}, {"tensor": 2}], ids=["dp", "tp"])
+def test_bytes_on_the_link_are_the_formula_plus_tcp_framing(two_by_two, mesh):
+    """One rank per host: every collective of the step crosses host 0's link, each
+    rank sending what the book's formula counts for it. The link also carries every
+    frame's headers (FRAME_HEADER_BYTES: Ethernet, IPv4, TCP with timestamps), on data
+    segments and acknowledgements alike, and MPICH's own message headers (left in the
+    5% tolerance)."""
+    report = json.loads(on_cluster(2, "bytes", json.dumps(mesh), per_host=1).splitlines()[-1])
+    link, payload = report["link"], sum(report["formula"].values())
+    assert payload == report["counted"]
+    framing = FRAME_HEADER_BYTES * link["tx_packets"]
+    assert link["tx_packets"] * MSS >= payload            # no segment carries more than one MSS
+    assert abs(link["tx_bytes"] - framing - payload) <= 0.05 * payload, (link, payload, framing)
+
+
+def test_a_host_that_loses_its_link_ends_the_job_with_one_line(two_by_two):
+    """Without the watcher both ranks would wait in their all-reduce forever: TCP
+    never learns that the other side is gone."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1", "OPENBLAS_NUM_THREADS": "1"}
+    job = subprocess.Popen([sys.executable, "-m", "numpitron.cluster", "--prefix", PREFIX, "run", "-n", "2",
+                            "--per-host", "1", "--", sys.executable, SCRIPT, "loop"],
+                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert job.stdout.readline().strip() == "training"
+        time.sleep(1)                                       # mid-run
+        set_host_link(two_by_two, 1, up=False)
+        pulled = time.monotonic()
+        _, stderr = job.communicate(timeout=30)
+        assert job.returncode == 1 and time.monotonic() - pulled < 30
+    finally:
+        job.kill()
+        set_host_link(two_by_two, 1, up=True)
+    assert stderr.strip() == f"error: host 1 ({PREFIX}host1) lost its link to the other hosts; ended the job", stderr
