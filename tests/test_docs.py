@@ -1,7 +1,7 @@
 """The book's links stay true: every relative link in docs/ and the README points at a
 file that exists, every code span naming a class, function or method in a linked
 Python file names one that file defines, and every repository path written in a code
-span exists."""
+span exists. Every figure a page names is drawn again by `make figures`."""
 
 import ast
 import re
@@ -47,3 +47,18 @@ def test_links_and_named_code_exist(page):
         if not (REPO / span.rstrip("/")).exists():
             broken.append(f"`{span}`: no such path")
     assert not broken, "\n".join(broken)
+
+
+FIGURE = re.compile(r"([A-Za-z0-9_]+\.svg)\b")
+SCRIPT = re.compile(r"benchmarks/[A-Za-z0-9_]+\.py")
+
+
+def test_every_figure_a_page_names_is_drawn_by_make_figures():
+    """`make figures` runs benchmarks/figures.py; a figure counts as drawn when its file
+    name is written in that script or in a benchmark script it runs."""
+    assert "benchmarks/figures.py" in (REPO / "Makefile").read_text().split("figures:", 1)[1].split("\n\n")[0]
+    driver = (REPO / "benchmarks" / "figures.py").read_text()
+    drawn = driver + "".join((REPO / script).read_text() for script in set(SCRIPT.findall(driver)))
+    missing = sorted({f"{page.name}: {name}" for page in PAGES for name in FIGURE.findall(page.read_text())
+                      if name not in drawn})
+    assert not missing, "figures no script of `make figures` draws:\n" + "\n".join(missing)
