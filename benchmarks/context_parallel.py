@@ -76,15 +76,19 @@ def measure(attn, x, dy, reps: int) -> dict:
 
 def draw(results: dict, cp: int, caption: str) -> str:
     """Two grids (query chunk x key chunk), one per split; a cell is coloured by the
-    rank that computes it and labelled with the ring step."""
+    rank that computes it and labelled with the ring step. Each panel's title takes two
+    lines and the explanation one line under both panels, so no text runs past its panel
+    or the picture (about 6.5 px per character at 11 px)."""
     colours = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6", "#9d755d"]
-    cell, gap, top = 34, 60, 50
+    cell, gap, top = 34, 60, 62
+    grid = 2 * cp * cell
     panels = []
     for p, (split, per_rank) in enumerate(results.items()):
         n = 2 * cp if split == "zigzag" else cp
-        x0 = 40 + p * (2 * cp * cell + gap + 40)
+        x0 = 40 + p * (grid + gap)
         work = " / ".join(f"{r['probs_bytes'] / 2**20:.1f}" for r in per_rank)
-        panels.append(f'<text x="{x0}" y="{top - 22}" font-size="13">{split}: scores kept per rank {work} MiB</text>')
+        panels.append(f'<text x="{x0}" y="{top - 32}" font-size="13" font-weight="bold">{split} split</text>')
+        panels.append(f'<text x="{x0}" y="{top - 14}" font-size="11">kept per rank, MiB: {work}</text>')
         for r, rank_result in enumerate(per_rank):
             for step, qi, ki, diagonal in rank_result["pairs"]:
                 scale = 2 * cp // n
@@ -93,15 +97,17 @@ def draw(results: dict, cp: int, caption: str) -> str:
                               f'opacity="{0.55 if diagonal else 0.95}"/>')
                 panels.append(f'<text x="{x + w / 2 - 1}" y="{y + w / 2 + 4}" font-size="11" fill="white" '
                               f'text-anchor="middle">s{step}</text>')
-        panels.append(f'<text x="{x0}" y="{top + 2 * cp * cell + 18}" font-size="11">keys (chunks) &#8594;, '
-                      f'queries &#8595;; colour: rank; s: ring step; pale: diagonal (causal mask)</text>')
-    legend = "".join(f'<rect x="{40 + 70 * r}" y="{top + 2 * cp * cell + 30}" width="12" height="12" '
-                     f'fill="{colours[r % 8]}"/><text x="{56 + 70 * r}" y="{top + 2 * cp * cell + 41}" '
-                     f'font-size="11">rank {r}</text>' for r in range(cp))
-    width, height = 2 * (2 * cp * cell + gap + 40) + 40, top + 2 * cp * cell + 75
+    below = top + grid + 20
+    legend = "".join(f'<rect x="{40 + 70 * r}" y="{below}" width="12" height="12" fill="{colours[r % 8]}"/>'
+                     f'<text x="{56 + 70 * r}" y="{below + 11}" font-size="11">rank {r}</text>' for r in range(cp))
+    key = (f'<text x="40" y="{below + 32}" font-size="11">keys (chunks) &#8594;, queries &#8595;; colour: rank; '
+           f's: ring step; pale: diagonal pair (causal mask)</text>')
+    widest = max(len(caption) * 6, 95 * 6.5, grid + gap + 26 * 6.5 + 6.5 * 5 * cp)  # caption, key, second title
+    width = int(40 + max(2 * grid + gap, widest) + 20)
+    height = below + 62
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif">'
-            f'<rect width="100%" height="100%" fill="white"/>{"".join(panels)}{legend}'
-            f'<text x="40" y="{height - 8}" font-size="10" fill="#555">{caption}</text></svg>\n')
+            f'<rect width="100%" height="100%" fill="white"/>{"".join(panels)}{legend}{key}'
+            f'<text x="40" y="{height - 10}" font-size="10" fill="#555">{caption}</text></svg>\n')
 
 
 def main():

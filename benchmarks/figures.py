@@ -154,6 +154,20 @@ def memory(plt) -> dict:
     return sizes
 
 
+def context_parallel_blocks() -> dict:
+    """Which chunk pairs each rank computes, zigzag against a plain split (docs/13)."""
+    return run_json(launch(4, "benchmarks/context_parallel.py", ["--seq-len", "1024"]))
+
+
+def routing(data_dir: Path, iters: int) -> dict:
+    """Tokens per expert and the dropped share over a mixture-of-experts run (docs/14)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(launch(1, "train_shakespeare.py", [
+            "--num-experts", "4", "--moe-top-k", "1", "--moe-capacity-factor", "1.25", "--max-iters", str(iters),
+            "--data-dir", str(data_dir), "--out-dir", tmp, "--no-progress"]), check=True, cwd=REPO, capture_output=True)
+        return run_json(launch(1, "benchmarks/experts.py", ["routing", str(Path(tmp) / "metrics.jsonl")]))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", default="data")
@@ -174,6 +188,8 @@ def main():
             "bubble": bubble(plt, iters), "layouts": layouts(plt, iters), "memory_zero": memory(plt)}
     subprocess.run(launch(2, "benchmarks/pipeline_timeline.py", ["--out", "docs/pipeline_timeline.svg"]),
                    check=True, cwd=REPO, capture_output=True)
+    data["context_parallel_blocks"] = context_parallel_blocks()
+    data["routing"] = routing(Path(args.data_dir).resolve(), 200 if args.quick else 2000)
     (FIGURES / "figures.json").write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {', '.join(sorted(p.name for p in FIGURES.glob('*.svg')))} and figures.json in {FIGURES}")
 

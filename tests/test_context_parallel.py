@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 from numpitron.checkpoint import load_checkpoint, save_checkpoint
 from numpitron.distributed.topology import Topology
-from numpitron.distributed.zigzag import Chunk, local_positions, zigzag_chunks
+from numpitron.distributed.zigzag import Chunk, contiguous_chunks, local_positions, zigzag_chunks
 from numpitron.nn.blockwise_attention import AttentionState, attend_block, attend_block_backward, query_tiles
 from numpitron.nn.blockwise_attention import visible_keys
 from tests.harness import assert_on_every_rank, make_trainer, serial_reference, tiny_model, tiny_tokens, tiny_train
@@ -67,10 +67,31 @@ def test_zigzag_split_covers_the_sequence_and_balances_the_work(cp):
     positions = np.concatenate([local_positions(seq, cp, r) for r in range(cp)])
     assert sorted(positions) == list(range(seq))
     # (query chunk, key chunk) pairs with any visible key, per rank, over the whole ring
-    pairs = [sum(kc.position <= qc.last_position
-                 for owner in range(cp) for kc in zigzag_chunks(seq // cp, cp, owner)
-                 for qc in zigzag_chunks(seq // cp, cp, r)) for r in range(cp)]
-    assert pairs == [2 * cp + 1] * cp
+    assert block_pairs(zigzag_chunks, seq, cp) == [2 * cp + 1] * cp
+
+
+def block_pairs(chunks, seq: int, cp: int) -> list[int]:
+    """Per rank, the (query chunk, key chunk) pairs with any visible key over a whole ring."""
+    return [sum(kc.position <= qc.last_position
+                for owner in range(cp) for kc in chunks(seq // cp, cp, owner)
+                for qc in chunks(seq // cp, cp, r)) for r in range(cp)]
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_a_plain_split_gives_rank_r_r_plus_one_block_pairs(cp):
+    """The contiguous split (docs/13): rank r meets the key blocks of ranks 0..r, 1 to cp
+    pairs of blocks twice the zigzag's chunks; in the zigzag's chunk squares of c x c
+    scores, a diagonal square counted as half, its work is 4r + 2 against 2cp on every
+    zigzag rank. Counted exactly, a query at position i sees i + 1 keys, and the two
+    diagonal squares each rank meets add c/2 scores apiece beyond the halves."""
+    seq = 16
+    assert block_pairs(contiguous_chunks, seq, cp) == [r + 1 for r in range(cp)]
+    c = seq // (2 * cp)
+    plain = [int(sum(np.arange(ch.position, ch.last_position + 1).sum() + ch.stop - ch.start
+                     for ch in contiguous_chunks(seq // cp, cp, r))) for r in range(cp)]
+    zigzag = [int(sum(local_positions(seq, cp, r) + 1)) for r in range(cp)]
+    assert plain == [(4 * r + 2) * c * c + c for r in range(cp)]
+    assert zigzag == [2 * cp * c * c + c] * cp
 
 
 @pytest.mark.parallel(nprocs=2)

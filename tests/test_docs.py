@@ -2,7 +2,7 @@
 file that exists, every code span naming a class, function or method in a linked
 Python file names one that file defines, and every repository path written in a code
 span exists; and every import in the package goes downward through the architecture
-page's table of the house."""
+page's table of the house. Every figure a page names is drawn again by `make figures`."""
 
 import ast
 import re
@@ -88,3 +88,18 @@ def test_every_import_in_the_package_goes_down_the_house():
         wrong += [f"{path} (row {here}) imports {target} (row {row_of(target, rows)})"
                   for target in sorted(imports) if (row_of(target, rows) or 0) < here]
     assert not wrong, "\n".join(wrong)
+
+
+FIGURE = re.compile(r"([A-Za-z0-9_]+\.svg)\b")
+SCRIPT = re.compile(r"benchmarks/[A-Za-z0-9_]+\.py")
+
+
+def test_every_figure_a_page_names_is_drawn_by_make_figures():
+    """`make figures` runs benchmarks/figures.py; a figure counts as drawn when its file
+    name is written in that script or in a benchmark script it runs."""
+    assert "benchmarks/figures.py" in (REPO / "Makefile").read_text().split("figures:", 1)[1].split("\n\n")[0]
+    driver = (REPO / "benchmarks" / "figures.py").read_text()
+    drawn = driver + "".join((REPO / script).read_text() for script in set(SCRIPT.findall(driver)))
+    missing = sorted({f"{page.name}: {name}" for page in PAGES for name in FIGURE.findall(page.read_text())
+                      if name not in drawn})
+    assert not missing, "figures no script of `make figures` draws:\n" + "\n".join(missing)

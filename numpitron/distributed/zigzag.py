@@ -5,7 +5,8 @@ of T tokens is cut into 2*cp chunks of T/(2cp), and rank r holds chunk r and chu
 2cp-1-r. Causal attention makes late queries cost more than early ones (a query
 attends to every earlier key); pairing one early and one late chunk on every rank
 gives each rank the same work: 2cp + 1 (query chunk, key chunk) pairs over a whole
-ring, against 1 to 2cp - 1 pairs with a plain split into cp contiguous parts.
+ring, where a plain split into cp contiguous parts gives rank r the r + 1 blocks of ranks
+0..r, each twice as long both ways (4r + 2 of the zigzag's chunk squares against 2cp).
 With cp = 1 the rank holds both halves of the sequence, in order.
 
 It sits with the mesh, below the layers, because attention, the model's position
