@@ -94,9 +94,9 @@ def export_hf(checkpoint_dir, out_dir, data_dir="data") -> Path:
     get = open_reader(checkpoint_dir, manifest, ("params",)).getter("params", np.dtype(model_cfg.dtype))
     tensors = {theirs: np.ascontiguousarray(get(ours)).reshape(_gpt2_shape(ours, model_cfg))
                for ours, theirs in name_pairs(model_cfg.n_layers)}
-    from safetensors.numpy import save
     files = {CONFIG: _json_bytes(gpt2_config(model_cfg)),
-             WEIGHTS: save(tensors, metadata={"format": "pt"}),     # "pt": transformers' loader asks for it
+             # "pt": the format transformers' loader asks the file's metadata for
+             WEIGHTS: _safetensors().save(tensors, metadata={"format": "pt"}),
              TOKENIZER: _json_bytes(tokenizer_json(tokenizer)),
              "tokenizer_config.json": _json_bytes({"tokenizer_class": "PreTrainedTokenizerFast",
                                                    "clean_up_tokenization_spaces": False,
@@ -187,7 +187,8 @@ def _model_config(config, origin: Path, tensors: dict, vocab: int) -> ModelConfi
                  "add_cross_attention": not config.get("add_cross_attention", False)}
     bad = [key for key, ok in differing.items() if not ok]
     if bad:
-        raise UserError(f"{origin}: numpitron's GPT cannot represent {', '.join(f'{k}={config.get(k)!r}' for k in bad)}")
+        settings = ", ".join(f"{key}={config.get(key)!r}" for key in bad)
+        raise UserError(f"{origin}: numpitron's GPT cannot represent {settings}")
     dtypes = {a.dtype for a in tensors.values()}
     dtype = "float64" if np.dtype("float64") in dtypes else "float32"    # float16 weights widen to float32
     if not all(np.issubdtype(d, np.floating) for d in dtypes) or dtype not in DTYPES:
@@ -218,7 +219,7 @@ def _check_names(origin: Path, tensors: dict, expected: dict) -> None:
 def _read_safetensors(path: Path) -> dict:
     if not path.is_file():
         raise UserError(f"not found: {path}")
-    from safetensors.numpy import load_file
+    load_file = _safetensors().load_file
     try:
         tensors = load_file(path)
     except Exception as error:          # safetensors raises its own error types; each is one line here
@@ -226,6 +227,14 @@ def _read_safetensors(path: Path) -> dict:
     # A "transformer." prefix is what GPT2LMHeadModel saves; the original GPT-2 files have none.
     return {name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name: array
             for name, array in tensors.items()}
+
+
+def _safetensors():
+    try:
+        import safetensors.numpy
+    except ModuleNotFoundError:
+        raise UserError('Hugging Face conversion needs the safetensors package: pip install -e ".[hf]"') from None
+    return safetensors.numpy
 
 
 def _read_json(path: Path):

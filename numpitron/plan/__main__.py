@@ -90,8 +90,9 @@ def parameter_counts(model, pp: int, virtual_stages: int = 1) -> dict:
 
 
 def size_line(counts: dict) -> str:
-    active = "" if counts["active_per_token"] == counts["total"] else f", {counts['active_per_token']:,} active per token"
-    stages = "" if len(counts["per_stage"]) == 1 else " (per stage " + ", ".join(f"{n:,}" for n in counts["per_stage"]) + ")"
+    active, per_stage = counts["active_per_token"], counts["per_stage"]
+    active = "" if active == counts["total"] else f", {active:,} active per token"
+    stages = "" if len(per_stage) == 1 else " (per stage " + ", ".join(f"{n:,}" for n in per_stage) + ")"
     return f"{counts['total']:,} parameters{active}{stages}"
 
 
