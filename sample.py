@@ -1,6 +1,7 @@
 """Sample text from a trained checkpoint, on one process or on any tp x pp x dp mesh.
 
     python sample.py --prompt "ROMEO:" --max-new-tokens 300
+    python sample.py --config configs/sample.toml --temperature 0
     mpiexec -n 2 python sample.py --tensor-parallel-size 2
     mpiexec -n 4 python sample.py --pipeline-parallel-size 2 --data-parallel-size 2 --num-samples 4
 """
@@ -13,18 +14,21 @@ configure_process(sys.argv)
 
 
 def parser():
-    from numpitron.cli import ArgumentParser, add_mesh_flags
+    from numpitron.cli import ArgumentParser, add_config_flag, add_mesh_flags
     p = ArgumentParser(description="Generate text from a numpitron checkpoint.")
+    add_config_flag(p)
     add_mesh_flags(p)
-    p.add_argument("--out-dir", default="out", help="the training run's directory (uses its latest checkpoint)")
-    p.add_argument("--checkpoint", default=None, help="a specific checkpoint directory instead")
-    p.add_argument("--prompt", default="\n")
-    p.add_argument("--max-new-tokens", type=int, default=500)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--data-dir", default="data", help="tokenizer location if the checkpoint has none")
+    files = p.add_argument_group("files")
+    files.add_argument("--out-dir", default="out", help="the training run's directory (uses its latest checkpoint)")
+    files.add_argument("--checkpoint", default=None, help="a specific checkpoint directory instead")
+    files.add_argument("--data-dir", default="data", help="tokenizer location if the checkpoint has none")
+    sampling = p.add_argument_group("sampling")
+    sampling.add_argument("--prompt", default="\n")
+    sampling.add_argument("--max-new-tokens", type=int, default=500)
+    sampling.add_argument("--temperature", type=float, default=0.8, help="0: greedy (the most likely token)")
+    sampling.add_argument("--top-k", type=int, default=None)
+    sampling.add_argument("--seed", type=int, default=1337)
+    sampling.add_argument("--num-samples", type=int, default=1)
     return p
 
 

@@ -14,10 +14,25 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         raise UserError(message)
 
+    def parse_known_args(self, args=None, namespace=None):
+        # --config FILE.toml: the file's values become defaults, so flags still win.
+        if any(action.dest == "config" for action in self._actions):
+            from numpitron.config_file import config_path_in, read_config
+            path = config_path_in(args)
+            if path is not None:
+                self.set_defaults(**read_config(path, self))
+        return super().parse_known_args(args, namespace)
+
     def print_help(self, file=None):
         from numpitron.distributed.launch import world_rank_and_size
         if world_rank_and_size()[0] == 0:
             super().print_help(file)
+
+
+def add_config_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE.toml",
+                   help="flags from a file: each flag's name with underscores as a key, in the section of its "
+                        "group below (configs/ has examples); flags given here win")
 
 
 def add_mesh_flags(p: argparse.ArgumentParser) -> None:
@@ -86,6 +101,7 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
 def training_parser(description: str = "Train a GPT on Tiny Shakespeare on any mesh.") -> ArgumentParser:
     """The training script's flags; the benchmark adds its own to the same parser."""
     p = ArgumentParser(description=description)
+    add_config_flag(p)
     add_mesh_flags(p)
     add_parallel_flags(p)
     add_model_flags(p)

@@ -2,6 +2,8 @@
 
     python -m numpitron.checkpoint.convert export CKPT_DIR OUT.npz
     python -m numpitron.checkpoint.convert import IN.npz ROOT
+    python -m numpitron.checkpoint.convert hf-export CKPT_DIR OUT_DIR    (huggingface.py)
+    python -m numpitron.checkpoint.convert hf-import HF_DIR ROOT
 
 The archive holds one array per parameter name (full logical tensors) and
 `__model_config__`, the model config as JSON in a 0-d unicode array: everything
@@ -134,7 +136,8 @@ def _read_archive(npz_file: Path):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m numpitron.checkpoint.convert",
-                                     description="Convert between numpitron checkpoints and .npz archives.")
+                                     description="Convert between numpitron checkpoints, .npz archives and "
+                                                 "Hugging Face GPT-2 directories.")
     commands = parser.add_subparsers(dest="command", required=True)
     export = commands.add_parser("export", help="checkpoint directory -> .npz of its parameters")
     export.add_argument("checkpoint_dir")
@@ -142,9 +145,13 @@ def main(argv=None) -> int:
     imp = commands.add_parser("import", help=".npz of parameters -> new checkpoint in ROOT")
     imp.add_argument("npz_file")
     imp.add_argument("root")
+    from numpitron.checkpoint.huggingface import add_hf_commands, run_hf_command
+    add_hf_commands(commands)
     args = parser.parse_args(argv)
     try:
-        if args.command == "export":
+        if args.command.startswith("hf-"):
+            print(run_hf_command(args))
+        elif args.command == "export":
             out = export_npz(args.checkpoint_dir, args.out_file)
             print(f"exported the parameters of {args.checkpoint_dir} to {out}")
         else:
