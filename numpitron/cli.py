@@ -128,6 +128,8 @@ def mesh_from_args(args, world_size: int, model: ModelConfig, train: TrainConfig
                    parallel: ParallelConfig | None = None):
     """The Mesh for this world, after every check that involves it."""
     from numpitron.distributed.topology import resolve_mesh
+    if args.blas_threads < 1:
+        raise UserError(f"--blas-threads must be positive, got {args.blas_threads}")
     mesh = resolve_mesh(world_size, args.tensor_parallel_size, args.pipeline_parallel_size,
                         args.data_parallel_size, args.context_parallel_size, args.expert_parallel_size)
     check_layout(model, train, mesh, parallel)
