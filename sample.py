@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     prompt = tokenizer.encode(args.prompt)
     model_cfg = manifest_model_config(manifest, path)
     world = MPI.COMM_WORLD
-    topo = Topology.from_mesh(world, mesh_from_args(args, world.Get_size(), model_cfg, None))
+    topo = Topology.from_mesh(world, mesh_from_args(args, world.Get_size(), model_cfg, None), args.collective_timeout)
     check_model_fits(model_cfg, topo, what=f"sampling from {path}")
     check_generation_fits(model_cfg, topo, args.num_samples, len(prompt) + args.max_new_tokens)
     model = GPTStage(model_cfg, topo)

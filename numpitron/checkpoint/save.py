@@ -52,7 +52,7 @@ def save_checkpoint(root, trainer, keep: int = 2, protect: Path | None = None, e
         table = f"cannot write checkpoint to {root} (rank {world.rank}): {error}"
     except Exception as error:       # a bug: the others learn of it instead of hanging
         table = f"checkpoint save failed on rank {world.rank}: {error!r}"
-    tables = world.mpi.gather(table, root=0) if world.size > 1 else [table]
+    tables = world.gather_object(table)
     status = None
     if world.rank == 0:
         status = _finish(root, Path(tmp), trainer, tables, keep, protect, extra)
