@@ -96,8 +96,9 @@ def test_convert_refuses_to_rewind_a_run_or_replace_a_users_file(copy, tmp_path)
     before = snapshot(copy)
     one_line(convert("import", archive, copy / "checkpoints"), "already holds checkpoints")
     one_line(convert("export", latest_checkpoint(copy / "checkpoints"), archive), "exists; pass --force")
-    one_line(convert("export", copy / "checkpoints" / "iter_000002", copy / "checkpoints" / "iter_000004" / "manifest.json",
-                     "--force"), "inside checkpoint")
+    checkpoints = copy / "checkpoints"
+    one_line(convert("export", checkpoints / "iter_000002", checkpoints / "iter_000004" / "manifest.json", "--force"),
+             "inside checkpoint")
     assert snapshot(copy) == before
 
 

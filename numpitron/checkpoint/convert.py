@@ -38,7 +38,8 @@ def export_npz(checkpoint_dir, out_file, overwrite: bool = False) -> Path:
     model_cfg = manifest_model_config(manifest, checkpoint_dir)
     reader = open_reader(checkpoint_dir, manifest)
     _, expected = serial_model(model_cfg, f"exporting {checkpoint_dir}", twice=True)
-    missing, extra = sorted(expected.keys() - set(reader.names("params"))), sorted(set(reader.names("params")) - expected.keys())
+    held = set(reader.names("params"))
+    missing, extra = sorted(expected.keys() - held), sorted(held - expected.keys())
     if missing or extra:
         raise UserError(f"corrupt checkpoint {checkpoint_dir}: its tensors do not match its model config: missing "
                         f"{_few(missing)}, unexpected {_few(extra)}")
@@ -169,9 +170,9 @@ def _archive_index(npz_file: Path, archive) -> tuple:
         for name in archive.files:
             if name != CONFIG_KEY:
                 with archive.zip.open(f"{name}.npy") as f:
-                    major, _ = np.lib.format.read_magic(f)
-                    read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
-                    shape, _, dtype = read_header(f)
+                    fmt = np.lib.format
+                    major, _ = fmt.read_magic(f)
+                    shape, _, dtype = (fmt.read_array_header_1_0 if major == 1 else fmt.read_array_header_2_0)(f)
                 if dtype.hasobject:
                     raise UserError(f"{npz_file} holds Python objects and would need pickle; refusing to load")
                 headers[name] = (tuple(shape), dtype)

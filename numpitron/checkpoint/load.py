@@ -49,7 +49,8 @@ def manifest_model_config(manifest: dict, path) -> ModelConfig:
     manifest names them: no flag can fix a checkpoint's field."""
     saved, known = manifest["model_config"], {field.name for field in fields(ModelConfig)}
     try:
-        return ModelConfig(**{k: v for k, v in saved.items() if k in known}).validate(label=lambda name: f"model_config.{name}")
+        config = ModelConfig(**{k: v for k, v in saved.items() if k in known})
+        return config.validate(label=lambda name: f"model_config.{name}")
     except UserError as error:
         raise UserError(f"corrupt checkpoint manifest in {path}: {error}") from None
 
