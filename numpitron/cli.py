@@ -2,8 +2,10 @@
 them (and the MPI world) into validated configs and a Topology."""
 
 import argparse
+import math
 
 from numpitron.config import DTYPES, RECOMPUTE, SCHEDULES, ZERO_STAGES, ModelConfig, ParallelConfig, TrainConfig, check_layout
+from numpitron.distributed.watchdog import DEFAULT_TIMEOUT_S
 from numpitron.errors import UserError
 
 
@@ -46,6 +48,9 @@ def add_mesh_flags(p: argparse.ArgumentParser) -> None:
                    help="data-parallel ranks that split the experts among them (must divide dp)")
     g.add_argument("--blas-threads", type=int, default=1,
                    help="BLAS threads per rank (read before NumPy starts)")
+    g.add_argument("--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help="a rank that waits longer in one collective ends the job, naming itself and the "
+                        "collective (0: wait forever)")
 
 
 def add_parallel_flags(p: argparse.ArgumentParser) -> None:
@@ -144,6 +149,10 @@ def mesh_from_args(args, world_size: int, model: ModelConfig, train: TrainConfig
                    parallel: ParallelConfig | None = None):
     """The Mesh for this world, after every check that involves it."""
     from numpitron.distributed.topology import resolve_mesh
+    if args.blas_threads < 1:
+        raise UserError(f"--blas-threads must be positive, got {args.blas_threads}")
+    if not math.isfinite(args.collective_timeout) or args.collective_timeout < 0:
+        raise UserError(f"--collective-timeout must be a finite number of seconds >= 0, got {args.collective_timeout}")
     mesh = resolve_mesh(world_size, args.tensor_parallel_size, args.pipeline_parallel_size,
                         args.data_parallel_size, args.context_parallel_size, args.expert_parallel_size)
     check_layout(model, train, mesh, parallel)
@@ -159,4 +168,4 @@ def setup_training(args, world=None):
     world = world or MPI.COMM_WORLD
     model, parallel, train = configs_from_args(args)
     mesh = mesh_from_args(args, world.Get_size(), model, train, parallel)
-    return model, parallel, train, Topology.from_mesh(world, mesh)
+    return model, parallel, train, Topology.from_mesh(world, mesh, args.collective_timeout)

@@ -47,19 +47,23 @@ class ModelConfig:
     def is_moe_block(self, index: int) -> bool:
         return self.num_experts > 0 and index % self.moe_every == 0
 
-    def validate(self) -> "ModelConfig":
-        _integers(self, "vocab_size", "seq_len", "n_layers", "n_heads", "d_model")
-        _positive(self, "vocab_size", "seq_len", "n_layers", "n_heads", "d_model")
+    def validate(self, label=None) -> "ModelConfig":
+        """label(field) names a field in messages: its flag by default; a config read
+        from a file names its fields as the file does."""
+        label = label or _flag
+        _integers(self, "vocab_size", "seq_len", "n_layers", "n_heads", "d_model", label=label)
+        _positive(self, "vocab_size", "seq_len", "n_layers", "n_heads", "d_model", label=label)
         if self.d_model % self.n_heads:
             raise UserError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise UserError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        _integers(self, "num_experts", "moe_top_k", "moe_every")
-        _finite(self, "moe_capacity_factor", "moe_aux_loss_coef")
-        _non_negative(self, "num_experts", "moe_capacity_factor", "moe_aux_loss_coef")
-        _positive(self, "moe_top_k", "moe_every")
+        _integers(self, "num_experts", "moe_top_k", "moe_every", label=label)
+        _finite(self, "moe_capacity_factor", "moe_aux_loss_coef", label=label)
+        _non_negative(self, "num_experts", "moe_capacity_factor", "moe_aux_loss_coef", label=label)
+        _positive(self, "moe_top_k", "moe_every", label=label)
         if self.num_experts and self.moe_top_k > self.num_experts:
-            raise UserError(f"--moe-top-k ({self.moe_top_k}) must not exceed --num-experts ({self.num_experts})")
+            raise UserError(f"{label('moe_top_k')} ({self.moe_top_k}) must not exceed {label('num_experts')} "
+                            f"({self.num_experts})")
         return self
 
 
@@ -221,31 +225,34 @@ class TrainConfig:
         return self.global_batch_size or self.micro_batch_size * data_parallel
 
 
-def _integers(cfg, *names):
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _integers(cfg, *names, label=_flag):
     for name in names:
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool):
-            raise UserError(f"{name.replace('_', '-')} must be an integer, got {value!r} "
-                            f"({type(value).__name__})")
+            raise UserError(f"{label(name)} must be an integer, got {value!r} ({type(value).__name__})")
 
 
-def _finite(cfg, *names):
+def _finite(cfg, *names, label=_flag):
     for name in names:
         value = getattr(cfg, name)
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise UserError(f"{name.replace('_', '-')} must be a finite number, got {value!r}")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise UserError(f"{label(name)} must be a finite number, got {value!r}")
 
 
-def _positive(cfg, *names):
+def _positive(cfg, *names, label=_flag):
     for name in names:
         if not getattr(cfg, name) > 0:
-            raise UserError(f"{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+            raise UserError(f"{label(name)} must be positive, got {getattr(cfg, name)}")
 
 
-def _non_negative(cfg, *names):
+def _non_negative(cfg, *names, label=_flag):
     for name in names:
         if getattr(cfg, name) < 0:
-            raise UserError(f"{name.replace('_', '-')} must not be negative, got {getattr(cfg, name)}")
+            raise UserError(f"{label(name)} must not be negative, got {getattr(cfg, name)}")
 
 
 def to_dict(cfg) -> dict:

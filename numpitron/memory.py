@@ -33,3 +33,19 @@ def check_fits(model_cfg, parallel_cfg, train_cfg, topo) -> None:
     if have is not None and need > have:
         raise UserError(f"this configuration needs about {need / 2**30:.1f} GiB per rank, and this host has "
                         f"{have / 2**30:.1f} GiB available: use smaller sizes or more ranks")
+
+
+def check_model_fits(model_cfg, topo, parameter_copies: int = 0, what: str = "this model") -> None:
+    """Before building a GPTStage: its buffers (parameters, gradients and two masks, four
+    times the parameters, as the optimizer's state counts them) and `parameter_copies`
+    more copies of its parameters, against what this host has free. A model config
+    read from a file is checked so before anything is allocated."""
+    from numpitron.config import ParallelConfig
+    from numpitron.plan.accounting import Rank, state_bytes
+    rank = Rank(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank, topo.cp_rank)
+    state = state_bytes(model_cfg, ParallelConfig(), rank)
+    need = sum(state.values()) + parameter_copies * state["params"]
+    have = available_bytes()
+    if have is not None and need > have:
+        raise UserError(f"{what} needs about {need / 2**30:.1f} GiB per rank, and this host has "
+                        f"{have / 2**30:.1f} GiB available")

@@ -16,6 +16,7 @@ import socket
 from typing import NamedTuple
 
 from numpitron.distributed.comm import Comm, CommStats
+from numpitron.distributed.watchdog import Watchdog
 from numpitron.errors import UserError
 
 GROUPS = ("tp", "cp", "dp", "dp_cp", "pp", "model", "embedding", "ep", "expert_dp", "expert_model")
@@ -66,8 +67,10 @@ class Topology:
     the gradient norm).
     """
 
-    def __init__(self, world, tp: int, pp: int, dp: int, stats: CommStats | None = None, cp: int = 1, ep: int = 1):
+    def __init__(self, world, tp: int, pp: int, dp: int, stats: CommStats | None = None, cp: int = 1, ep: int = 1,
+                 watchdog: Watchdog | None = None):
         self.stats = stats or CommStats()
+        self.watchdog = watchdog or Watchdog()          # one deadline for every group's collectives
         self.tp, self.pp, self.dp, self.cp, self.ep = tp, pp, dp, cp, ep
         self.world_size = tp * pp * dp * cp
         self.rank = 0 if world is None else world.Get_rank()
@@ -85,6 +88,8 @@ class Topology:
                 setattr(self, f"{name}_comm", Comm(None, self.stats, name))
         else:
             self._split(world)
+        for comm in [self.world] + [getattr(self, f"{name}_comm") for name in GROUPS]:
+            comm.watchdog = self.watchdog
 
     @property
     def dp_cp(self) -> int:
@@ -127,8 +132,11 @@ class Topology:
         return cls.from_mesh(world, resolve_mesh(world.Get_size(), tensor, pipeline, data, context, expert))
 
     @classmethod
-    def from_mesh(cls, world, mesh: Mesh) -> "Topology":
-        return cls(world, mesh.tp, mesh.pp, mesh.dp, cp=mesh.cp, ep=mesh.ep)
+    def from_mesh(cls, world, mesh: Mesh, collective_timeout: float | None = None) -> "Topology":
+        """collective_timeout: seconds a rank may wait in one collective before it ends
+        the job (None: forever)."""
+        return cls(world, mesh.tp, mesh.pp, mesh.dp, cp=mesh.cp, ep=mesh.ep,
+                   watchdog=Watchdog(collective_timeout, world.Get_rank()))
 
     @property
     def mesh(self) -> Mesh:
