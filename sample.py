@@ -44,8 +44,8 @@ def main(argv=None) -> int:
     from numpitron.data.tokenizer import CharTokenizer
     from numpitron.distributed.topology import Topology
     from numpitron.errors import UserError
-    from numpitron.generate import check_generation_fits, generate
-    from numpitron.memory import check_model_fits
+    from numpitron.generate import generate
+    from numpitron.memory import check_generation_fits, check_model_fits
     from numpitron.model import GPTStage
 
     args = parser().parse_args(argv)

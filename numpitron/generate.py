@@ -20,8 +20,6 @@ text of each sample is the same whatever the mesh.
 import numpy as np
 
 from numpitron.distributed.sharding import balanced_bounds, pad_to_multiple
-from numpitron.errors import UserError
-from numpitron.memory import available_bytes
 
 ACTIVATION_TAG = 0
 
@@ -70,7 +68,7 @@ def generate(model, prompt_ids, max_new_tokens: int, num_samples: int = 1, tempe
     """Returns (num_samples, len(prompt) + max_new_tokens) token ids, identical on
     every rank. Replica d of dp generates samples [d n / dp, (d + 1) n / dp), rounded
     down (none, when there are fewer samples than replicas), then the replicas
-    exchange theirs. Check the sizes first with `check_generation_fits`."""
+    exchange theirs. Check the sizes first (`memory.check_generation_fits`)."""
     topo = model.topo
     if model.virtual_stages != 1 or topo.cp != 1:
         raise ValueError("generation runs on one chunk per stage and whole sequences (cp = 1)")
@@ -88,26 +86,6 @@ def generate(model, prompt_ids, max_new_tokens: int, num_samples: int = 1, tempe
     everyone[topo.dp_rank, :stop - start] = generated[:stop - start]
     topo.dp_comm.all_gather(everyone)
     return np.concatenate([everyone[d, :b - a] for d, (a, b) in enumerate(shares)])
-
-
-def generation_bytes(model_cfg, topo, num_samples: int, length: int) -> int:
-    """About what generating `num_samples` sequences of `length` tokens keeps on one rank:
-    every replica's token ids and this replica's growing copy (int64), its blocks'
-    key/value cache, and a prefill's widest activations and logits, a few alive at once."""
-    rows, item = -(-num_samples // topo.dp), np.dtype(model_cfg.dtype).itemsize
-    T, C, V = model_cfg.seq_len, model_cfg.d_model, model_cfg.vocab_size
-    blocks = -(-model_cfg.n_layers // topo.pp)
-    ids = 8 * rows * length * (topo.dp + 2)
-    cache = 2 * blocks * rows * T * (C // topo.tp) * item
-    prefill = 4 * rows * T * (4 * C + V) * item
-    return ids + cache + prefill
-
-
-def check_generation_fits(model_cfg, topo, num_samples: int, length: int) -> None:
-    need, have = generation_bytes(model_cfg, topo, num_samples, length), available_bytes()
-    if have is not None and need > have:
-        raise UserError(f"generating {num_samples} samples of {length} tokens needs about {need / 2**30:.1f} GiB "
-                        f"per rank, and this host has {have / 2**30:.1f} GiB available: ask for fewer or shorter")
 
 
 def _generate_rows(model, out, max_new_tokens: int, rngs, temperature: float, top_k: int | None) -> np.ndarray:

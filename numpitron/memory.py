@@ -3,6 +3,8 @@ impossible size is one line instead of a MemoryError."""
 
 import os
 
+import numpy as np
+
 from numpitron.errors import UserError
 
 
@@ -49,3 +51,23 @@ def check_model_fits(model_cfg, topo, parameter_copies: int = 0, what: str = "th
     if have is not None and need > have:
         raise UserError(f"{what} needs about {need / 2**30:.1f} GiB per rank, and this host has "
                         f"{have / 2**30:.1f} GiB available")
+
+
+def generation_bytes(model_cfg, topo, num_samples: int, length: int) -> int:
+    """About what generating `num_samples` sequences of `length` tokens keeps on one rank:
+    every replica's token ids and this replica's growing copy (int64), its blocks'
+    key/value cache, and a prefill's widest activations and logits, a few alive at once."""
+    rows, item = -(-num_samples // topo.dp), np.dtype(model_cfg.dtype).itemsize
+    T, C, V = model_cfg.seq_len, model_cfg.d_model, model_cfg.vocab_size
+    blocks = -(-model_cfg.n_layers // topo.pp)
+    ids = 8 * rows * length * (topo.dp + 2)
+    cache = 2 * blocks * rows * T * (C // topo.tp) * item
+    prefill = 4 * rows * T * (4 * C + V) * item
+    return ids + cache + prefill
+
+
+def check_generation_fits(model_cfg, topo, num_samples: int, length: int) -> None:
+    need, have = generation_bytes(model_cfg, topo, num_samples, length), available_bytes()
+    if have is not None and need > have:
+        raise UserError(f"generating {num_samples} samples of {length} tokens needs about {need / 2**30:.1f} GiB "
+                        f"per rank, and this host has {have / 2**30:.1f} GiB available: ask for fewer or shorter")
