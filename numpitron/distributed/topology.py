@@ -10,6 +10,11 @@ Expert parallelism adds no axis: the ep group is carved out of dp (Megatron-LM's
 choice). Consecutive dp ranks form an ep group and split the experts among them;
 ranks with the same position in their ep group (dp_rank % ep) hold the same experts
 and average their gradients (the expert_dp group, dp / ep ranks).
+
+Context parallelism may split its group once more (parallel/ulysses.py): U consecutive
+cp ranks form a Ulysses group (cp_ulysses, an all-to-all over heads), and ranks with
+the same place in their Ulysses groups form a ring (cp_ring, cp / U ranks). The ring
+alone is U = 1, Ulysses alone U = cp; both groups exist on every mesh.
 """
 
 from typing import NamedTuple
@@ -17,7 +22,7 @@ from typing import NamedTuple
 from numpitron.distributed.comm import Comm, CommStats
 from numpitron.errors import UserError
 
-GROUPS = ("tp", "cp", "dp", "dp_cp", "pp", "model", "embedding", "ep", "expert_dp", "expert_model")
+GROUPS = ("tp", "cp", "cp_ulysses", "cp_ring", "dp", "dp_cp", "pp", "model", "embedding", "ep", "expert_dp", "expert_model")
 
 
 class Mesh(NamedTuple):
@@ -62,12 +67,16 @@ class Topology:
     embedding (first and last stage: the tied embedding). Experts: ep (ep consecutive dp
     ranks, which split the experts and exchange tokens), expert_dp (the dp ranks holding
     the same experts), expert_model (tp x pp x ep: one whole copy of every expert, for
-    the gradient norm).
+    the gradient norm). Inside cp: cp_ulysses (U consecutive cp ranks) and cp_ring (the
+    cp / U ranks at the same place of their Ulysses groups); both count their bytes
+    under "cp".
     """
 
-    def __init__(self, world, tp: int, pp: int, dp: int, stats: CommStats | None = None, cp: int = 1, ep: int = 1):
+    def __init__(self, world, tp: int, pp: int, dp: int, stats: CommStats | None = None, cp: int = 1, ep: int = 1,
+                 ulysses: int = 1):
         self.stats = stats or CommStats()
         self.tp, self.pp, self.dp, self.cp, self.ep = tp, pp, dp, cp, ep
+        self.ulysses = ulysses           # cp ranks per Ulysses all-to-all group (must divide cp)
         self.world_size = tp * pp * dp * cp
         self.rank = 0 if world is None else world.Get_rank()
         self.pp_rank, rest = divmod(self.rank, dp * cp * tp)
@@ -95,6 +104,9 @@ class Topology:
         D, K, T = self.dp, self.cp, self.tp
         self.tp_comm = Comm(world.Split((pp * D + dp) * K + cp, tp), self.stats, "tp")
         self.cp_comm = Comm(world.Split((pp * D + dp) * T + tp, cp), self.stats, "cp")
+        line, (group, place) = (pp * D + dp) * T + tp, divmod(cp, self.ulysses)     # line: this rank's cp group
+        self.cp_ulysses_comm = Comm(world.Split(line * (K // self.ulysses) + group, place), self.stats, "cp")
+        self.cp_ring_comm = Comm(world.Split(line * self.ulysses + place, group), self.stats, "cp")
         self.dp_comm = Comm(world.Split((pp * K + cp) * T + tp, dp), self.stats, "dp")
         self.dp_cp_comm = Comm(world.Split(pp * T + tp, self.dp_cp_rank), self.stats, "dp_cp")
         self.pp_comm = Comm(world.Split((dp * K + cp) * T + tp, pp), self.stats, "pp")
@@ -115,14 +127,15 @@ class Topology:
 
     @classmethod
     def from_world(cls, tensor: int = 1, pipeline: int = 1, data: int | None = None, world=None,
-                   context: int = 1, expert: int = 1) -> "Topology":
+                   context: int = 1, expert: int = 1, ulysses: int = 1) -> "Topology":
         from mpi4py import MPI
         world = world or MPI.COMM_WORLD
-        return cls.from_mesh(world, resolve_mesh(world.Get_size(), tensor, pipeline, data, context, expert))
+        return cls.from_mesh(world, resolve_mesh(world.Get_size(), tensor, pipeline, data, context, expert), ulysses)
 
     @classmethod
-    def from_mesh(cls, world, mesh: Mesh) -> "Topology":
-        return cls(world, mesh.tp, mesh.pp, mesh.dp, cp=mesh.cp, ep=mesh.ep)
+    def from_mesh(cls, world, mesh: Mesh, ulysses: int = 1) -> "Topology":
+        """ulysses: the Ulysses group size inside cp (ParallelConfig.ulysses_group)."""
+        return cls(world, mesh.tp, mesh.pp, mesh.dp, cp=mesh.cp, ep=mesh.ep, ulysses=ulysses)
 
     @property
     def mesh(self) -> Mesh:
@@ -156,6 +169,8 @@ class Topology:
     def __str__(self) -> str:
         experts = f" (experts split over ep={self.ep} of the dp ranks)" if self.ep > 1 else ""
         lines = [f"mesh: tp={self.tp} x cp={self.cp} x dp={self.dp} x pp={self.pp} ({self.world_size} ranks){experts}"]
+        if self.ulysses > 1:
+            lines[0] += f" (cp: all-to-all in groups of {self.ulysses}, ring over {self.cp // self.ulysses})"
         for s in range(self.pp):
             replicas = ["[" + " | ".join(" ".join(str(self.world_rank_of(s, d, t, c)) for t in range(self.tp))
                                          for c in range(self.cp)) + "]" for d in range(self.dp)]
