@@ -99,7 +99,7 @@ class ParallelAttention(Layer):
                 block = incoming
         return saved
 
-    def backward_input(self, dy, cache):
+    def start_backward_input(self, dy, cache):
         q, k, v, state = cache["q"], cache["k"], cache["v"], cache["state"]
         dmerged = self.proj.backward_input(dy, cache["proj"])
         B, t, _ = dmerged.shape                          # this rank's tokens
@@ -133,7 +133,7 @@ class ParallelAttention(Layer):
                 own[...] = arrived
         dq *= self.scale                                 # q held the scale; dk already has it
         dqkv = self.heads.to_tokens(dqkv).transpose(1, 3, 0, 2, 4).reshape(B, t, -1)
-        return self.qkv.backward_input(dqkv, cache["qkv"])
+        return self.qkv.start_backward_input(dqkv, cache["qkv"])    # its sum may overlap our weight half
 
     def backward_weights(self, cache):
         self.proj.backward_weights(cache["proj"])
