@@ -51,25 +51,18 @@ def test_serial_topology_has_both_cp_sub_groups():
     assert (topo.cp_ulysses_comm.size, topo.cp_ring_comm.size) == (1, 1)
 
 
-TWO_RANKS = [dict(context=2, context_parallel_type="ulysses"),
-             dict(context=2, context_parallel_type="hybrid", ulysses_size=1, recompute="selective")]
-# cp = 4 for each type; with tp (heads split by tp, then by Ulysses), sequence
+# Each type at cp = 2 and 4; with tp (heads split by tp, then by Ulysses), sequence
 # parallelism, dp with ZeRO-1, pp, and recomputation, pairwise.
-FOUR_RANKS = [dict(context=4, context_parallel_type="ulysses"),
-              dict(context=4, context_parallel_type="hybrid", ulysses_size=2),
-              dict(context=2, tensor=2, context_parallel_type="ulysses", sequence_parallel=True),
-              dict(context=2, data=2, context_parallel_type="ulysses", zero_stage=1, recompute="selective"),
-              dict(context=2, pipeline=2, context_parallel_type="ulysses", recompute="full")]
-
-
-@pytest.mark.parallel(nprocs=2)
-@pytest.mark.parametrize("mesh", TWO_RANKS, ids=mesh_id)
-def test_two_ranks_match_serial(mesh):
-    check_mesh(mesh)
+MESHES = [dict(context=4, context_parallel_type="ulysses"),
+          dict(context=4, context_parallel_type="hybrid", ulysses_size=2),
+          dict(context=2, tensor=2, context_parallel_type="ulysses", sequence_parallel=True),
+          dict(context=2, tensor=2, context_parallel_type="hybrid", ulysses_size=2, recompute="selective"),
+          dict(context=2, data=2, context_parallel_type="ulysses", zero_stage=1, recompute="selective"),
+          dict(context=2, pipeline=2, context_parallel_type="ulysses", recompute="full")]
 
 
 @pytest.mark.parallel(nprocs=4)
-@pytest.mark.parametrize("mesh", FOUR_RANKS, ids=mesh_id)
+@pytest.mark.parametrize("mesh", MESHES, ids=mesh_id)
 def test_four_ranks_match_serial(mesh):
     check_mesh(mesh)
 
