@@ -22,7 +22,8 @@ from typing import NamedTuple
 from numpitron.distributed.comm import Comm, CommStats
 from numpitron.errors import UserError
 
-GROUPS = ("tp", "cp", "cp_ulysses", "cp_ring", "dp", "dp_cp", "pp", "model", "embedding", "ep", "expert_dp", "expert_model")
+GROUPS = ("tp", "cp", "cp_ulysses", "cp_ring", "dp", "dp_cp", "pp", "model", "embedding", "ep", "expert_dp",
+          "expert_model")
 
 
 class Mesh(NamedTuple):
