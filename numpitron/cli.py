@@ -4,6 +4,7 @@ them (and the MPI world) into validated configs and a Topology."""
 import argparse
 import math
 
+from numpitron.config import CONTEXT_PARALLEL_TYPES
 from numpitron.config import DTYPES, RECOMPUTE, SCHEDULES, ZERO_STAGES, ModelConfig, ParallelConfig, TrainConfig, check_layout
 from numpitron.distributed.watchdog import DEFAULT_TIMEOUT_S
 from numpitron.errors import UserError
@@ -70,6 +71,13 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="split LayerNorm and residual activations over tp along the sequence")
     g.add_argument("--recompute", choices=RECOMPUTE, default=d.recompute,
                    help="recompute in the backward: nothing, the attention probabilities, or whole blocks")
+    g.add_argument("--context-parallel-type", choices=CONTEXT_PARALLEL_TYPES, default=d.context_parallel_type,
+                   help="attention over the cp ranks: keys and values around a ring, an all-to-all over heads "
+                        "(Ulysses), or Ulysses groups joined by a ring (hybrid)")
+    g.add_argument("--ulysses-size", type=int, default=d.ulysses_size,
+                   help="with --context-parallel-type hybrid: cp ranks per all-to-all group")
+    g.add_argument("--tp-comm-overlap", action=argparse.BooleanOptionalAction, default=d.tp_comm_overlap,
+                   help="hide each column-parallel layer's input-gradient collective behind its weight gradient")
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -136,7 +144,9 @@ def configs_from_args(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
     parallel = ParallelConfig(schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages,
                               zero_stage=args.zero_stage,
                               bucket_size=args.bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
-                              sequence_parallel=args.sequence_parallel, recompute=args.recompute).validate()
+                              sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+                              context_parallel_type=args.context_parallel_type, ulysses_size=args.ulysses_size,
+                              tp_comm_overlap=args.tp_comm_overlap).validate()
     train = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size or 0,
                         **{k: getattr(args, k) for k in (
                             "max_iters", "eval_interval", "eval_iters", "warmup_iters", "lr_decay_iters",
@@ -168,4 +178,5 @@ def setup_training(args, world=None):
     world = world or MPI.COMM_WORLD
     model, parallel, train = configs_from_args(args)
     mesh = mesh_from_args(args, world.Get_size(), model, train, parallel)
-    return model, parallel, train, Topology.from_mesh(world, mesh, args.collective_timeout)
+    return model, parallel, train, Topology.from_mesh(world, mesh, args.collective_timeout,
+                                                      parallel.ulysses_group(mesh.cp))

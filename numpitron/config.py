@@ -18,6 +18,7 @@ GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "gpipe", "1f1b", "interleaved", "
 SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE)
 SPLIT_BACKWARD = (ZERO_BUBBLE,)
 RECOMPUTE = ("none", "selective", "full")
+CONTEXT_PARALLEL_TYPES = ("ring", "ulysses", "hybrid")         # docs/13-context-parallelism.md
 
 
 @dataclass(frozen=True)
@@ -81,10 +82,20 @@ class ParallelConfig:
     overlap_grad_reduce: bool = True # start each bucket's all-reduce during the backward
     sequence_parallel: bool = False  # split LayerNorm/residual activations over tp along the sequence
     recompute: str = "none"          # "none", "selective" (attention probabilities) or "full" (blocks)
+    context_parallel_type: str = "ring"  # attention over cp: the ring, Ulysses' all-to-all, or both
+    ulysses_size: int = 0            # hybrid only: cp ranks per all-to-all group (the ring spans cp / it)
+    tp_comm_overlap: bool = True     # start column-parallel input-gradient collectives before the weight gradient
 
     def validate(self) -> "ParallelConfig":
-        _integers(self, "virtual_stages")
+        _integers(self, "virtual_stages", "ulysses_size")
         _positive(self, "bucket_size", "virtual_stages")
+        _non_negative(self, "ulysses_size")
+        if self.context_parallel_type not in CONTEXT_PARALLEL_TYPES:
+            raise UserError(f"unknown context-parallel type {self.context_parallel_type!r}; choose one of "
+                            f"{', '.join(CONTEXT_PARALLEL_TYPES)}")
+        if (self.context_parallel_type == "hybrid") != (self.ulysses_size > 0):
+            raise UserError(f"--context-parallel-type hybrid and --ulysses-size go together (got "
+                            f"{self.context_parallel_type} with Ulysses size {self.ulysses_size or 'unset'})")
         if self.recompute not in RECOMPUTE:
             raise UserError(f"unknown recompute {self.recompute!r}; choose one of {', '.join(RECOMPUTE)}")
         if self.schedule not in SCHEDULES:
@@ -95,6 +106,10 @@ class ParallelConfig:
         if self.zero_stage not in ZERO_STAGES:
             raise UserError(f"zero stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         return self
+
+    def ulysses_group(self, context: int) -> int:
+        """How many cp ranks share one Ulysses all-to-all (the ring spans context / it)."""
+        return {"ring": 1, "ulysses": context, "hybrid": self.ulysses_size}[self.context_parallel_type]
 
 
 def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
@@ -127,6 +142,8 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
                             "in a second one that only their own ranks hold; use --zero-stage 2 with --num-experts")
     if model.n_heads % tensor:
         raise UserError(f"n_heads ({model.n_heads}) must be divisible by the tensor-parallel size ({tensor})")
+    if parallel is not None:
+        _check_ulysses(model, tensor, context, parallel)
     if (4 * model.d_model) % tensor:
         raise UserError(f"the MLP width 4*d_model ({4 * model.d_model}) must be divisible by the "
                         f"tensor-parallel size ({tensor})")
@@ -159,6 +176,18 @@ def _check_experts(model: ModelConfig, parallel, data: int, context: int, expert
     if model.num_experts and parallel is not None and parallel.sequence_parallel:
         raise UserError("mixture-of-experts layers route whole sequences: --num-experts does not combine with "
                         "--sequence-parallel yet")
+
+
+def _check_ulysses(model: ModelConfig, tensor: int, context: int, parallel: ParallelConfig) -> None:
+    """Ulysses splits each rank's H/tp heads over its all-to-all group (distributed/ulysses.py)."""
+    group, heads = parallel.ulysses_group(context), model.n_heads // tensor
+    if context % group:
+        raise UserError(f"--ulysses-size ({group}) must divide the context-parallel size ({context})")
+    if heads % group:
+        name = "context-parallel size" if parallel.context_parallel_type == "ulysses" else "--ulysses-size"
+        raise UserError(f"{parallel.context_parallel_type} context parallelism gives each rank whole heads: n_heads / "
+                        f"tensor-parallel size ({model.n_heads} / {tensor} = {heads}) must be divisible by the "
+                        f"{name} ({group})")
 
 
 def _check_interleaving(model: ModelConfig, train, pipeline: int, data: int, virtual: int) -> None:

@@ -48,8 +48,9 @@ def make_trainer(model_cfg=None, train_cfg=None, topo=None, tensor=1, pipeline=1
     """A Trainer on `topo`, or on a mesh of the world's ranks; `parallel` holds
     ParallelConfig fields (schedule, zero_stage, ...). Checked like the CLI checks."""
     model_cfg, train_cfg = model_cfg or tiny_model(), train_cfg or tiny_train()
-    topo = topo or Topology.from_world(tensor, pipeline, data, context=context, expert=expert)
     parallel_cfg = ParallelConfig(**parallel).validate()
+    topo = topo or Topology.from_world(tensor, pipeline, data, context=context, expert=expert,
+                                       ulysses=parallel_cfg.ulysses_group(context))
     check_layout(model_cfg, train_cfg, topo.mesh, parallel_cfg)
     return Trainer(model_cfg, parallel_cfg, train_cfg, topo)
 

@@ -175,7 +175,7 @@ class Comm:
 
     def all_to_all(self, send: np.ndarray) -> np.ndarray:
         """Equal blocks: send[r] goes to rank r; returns recv, recv[r] from rank r."""
-        recv = send.copy()
+        recv = np.empty_like(send) if self.size > 1 else send.copy()
         if self.size > 1:
             self._timed("all_to_all", (self.size - 1) / self.size * send.nbytes,
                         lambda: self.mpi.Alltoall(send, recv))
