@@ -9,8 +9,7 @@ from numpitron.distributed.topology import Topology
 from numpitron.nn.mlp import ParallelMLP
 from numpitron.nn.param import ParamStore
 from numpitron.nn.regions import ReplicatedRegion
-from tests.harness import assert_on_every_rank, make_trainer, tiny_model, tiny_train, train_steps
-from tests.test_equivalence import check_mesh, mesh_id
+from tests.harness import assert_on_every_rank, check_mesh, make_trainer, mesh_id, tiny_model, tiny_train, train_steps
 
 
 class RecordingComm:

@@ -12,8 +12,8 @@ from numpitron.distributed.topology import Mesh, Topology
 from numpitron.errors import UserError
 from numpitron.distributed.zigzag import local_positions, zigzag_chunks
 from numpitron.distributed.ulysses import group_rows
-from tests.harness import assert_on_every_rank, make_trainer, tiny_model, tiny_tokens, tiny_train
-from tests.test_equivalence import check_mesh, mesh_id
+from tests.harness import assert_on_every_rank, check_mesh, error_lines, make_trainer, mesh_id, run_script, tiny_model
+from tests.harness import tiny_tokens, tiny_train
 
 
 @pytest.mark.parametrize("cp, ulysses", [(2, 2), (4, 2), (4, 4), (8, 2), (8, 4)])
@@ -123,8 +123,8 @@ def test_bad_context_parallel_types_are_refused(parallel, message):
 
 
 def test_too_few_heads_for_ulysses_is_one_line_from_one_rank():
-    from tests.test_cli import error_lines, run
-    result = run(["--context-parallel-size", "2", "--context-parallel-type", "ulysses", "--n-heads", "1",
+
+    result = run_script(["--context-parallel-size", "2", "--context-parallel-type", "ulysses", "--n-heads", "1",
                   "--max-iters", "1", "--no-progress"], nprocs=2, timeout=60)
     lines = error_lines(result.stderr)
     assert result.returncode != 0 and len(lines) == 1, result.stderr
