@@ -265,12 +265,14 @@ class ScheduleError(ValueError):
 
 
 def simulate(schedules: list[list[Op]], m: int, v: int = 1, cost=None, v_shape: bool = False,
-             events: dict | None = None) -> list[Fraction]:
+             events: dict | None = None, paired: bool = False) -> list[Fraction]:
     """Run every stage's list in order, each operation as soon as what it depends on
     has finished (cost: time per action, divided by v per chunk; v_shape: the V
     placement). Returns the time each stage finishes; `events`, when given, receives
     {(op, rank): (start, end)}. Raises ScheduleError if an operation is missing,
-    repeated, or waits forever (the executor would deadlock)."""
+    repeated, or waits forever (the executor would deadlock).
+    paired: an F followed by a BW starts only when both inputs are in, as DualPipe's
+    overlapped pair does (this executor starts the F alone, as soon as it can)."""
     p, cost = len(schedules), cost or UNIT_COST
     placement = StagePlacement(p, v, v_shape)
     for rank, ops in enumerate(schedules):
@@ -283,6 +285,10 @@ def simulate(schedules: list[list[Op]], m: int, v: int = 1, cost=None, v_shape: 
             while position[rank] < len(ops):
                 op = ops[position[rank]]
                 needs = dependencies(op, rank, placement)
+                following = ops[position[rank] + 1] if position[rank] + 1 < len(ops) else None
+                if paired and op.action == FORWARD and following and following.action == BACKWARD:
+                    needs = needs + [dep for dep in dependencies(following, rank, placement)
+                                     if dep != (following._replace(action=FORWARD), rank)]
                 if not all(dep in finished for dep in needs):
                     break
                 begin = max([clock[rank]] + [finished[dep] for dep in needs])
