@@ -145,6 +145,16 @@ def _v_warmup(rank: _VRank, p: int, r: int) -> None:
         rank.forward(1)
 
 
+def _v_drain(rank: _VRank, p: int, r: int) -> None:
+    """The end both V schedules share: the last p-r-1 chunk-0 gradients come up from
+    below, each B0 after one W owed; then the W passes still owed."""
+    for _ in range(p - r - 1):
+        rank.weight()
+        rank.backward(0)
+    while rank.owed:
+        rank.weight()
+
+
 def zb_v(m: int, p: int, stage: int, v: int = 2) -> list[Op]:
     """ZB-V (Qi et al. 2024, the V schedule of zero bubble): every backward split. In
     the steady state each round frees before it allocates, B1 W1 B0 W0 F0 F1, so no
@@ -167,11 +177,7 @@ def zb_v(m: int, p: int, stage: int, v: int = 2) -> list[Op]:
     for _ in range(r + 1):                              # cool-down: B first, W later
         rank.backward(1)
         rank.backward(0)
-    for _ in range(p - r - 1):
-        rank.weight()
-        rank.backward(0)
-    while rank.owed:
-        rank.weight()
+    _v_drain(rank, p, r)
     return rank.ops
 
 
@@ -194,16 +200,12 @@ def dualpipe_v(m: int, p: int, stage: int, v: int = 2) -> list[Op]:
         rank.forward(1)
         rank.backward(0, split=False)
     # Cool-down: r+1 rounds of B1 B0, whole at first, split from the middle on (chunk
-    # 1 switches first on odd ranks), then W B0 while the last B0s come up, then W.
+    # 1 switches first on odd ranks).
     middle = (r + 1) // 2
     for i in range(r + 1):
         rank.backward(1, split=i > middle or (i == middle and r % 2 == 1))
         rank.backward(0, split=i >= middle)
-    for _ in range(p - r - 1):
-        rank.weight()
-        rank.backward(0)
-    while rank.owed:
-        rank.weight()
+    _v_drain(rank, p, r)
     return rank.ops
 
 
