@@ -60,7 +60,8 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-schedule", choices=SCHEDULES, default=d.schedule,
                    help="the order of forwards and backwards on each stage (docs/10-pipeline-schedules.md)")
     g.add_argument("--virtual-stages", type=int, default=d.virtual_stages,
-                   help="chunks of layers per pipeline rank, with --pipeline-schedule interleaved")
+                   help="chunks of layers per pipeline rank, with --pipeline-schedule interleaved "
+                        "(zb-v and dualpipev: always 2, placed in a V)")
     g.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=d.zero_stage,
                    help="shard over dp: 1 the optimizer state, 2 also the gradients, 3 also the parameters")
     g.add_argument("--bucket-size", type=int, default=d.bucket_size,

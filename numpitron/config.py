@@ -15,8 +15,12 @@ DTYPES = ("float32", "float64")
 # The pipeline schedules' names, the one place they are spelled (parallel/schedules.py
 # builds each; a schedule with separate weight passes splits every layer's backward).
 GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "gpipe", "1f1b", "interleaved", "zero-bubble"
-SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE)
-SPLIT_BACKWARD = (ZERO_BUBBLE,)
+ZB_V, DUALPIPE_V = "zb-v", "dualpipev"
+SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, ZB_V, DUALPIPE_V)
+SPLIT_BACKWARD = (ZERO_BUBBLE, ZB_V, DUALPIPE_V)
+# Two chunks per rank placed in a V (distributed/stages.py): the first and the last
+# virtual stage on pp rank 0.
+V_SHAPED = (ZB_V, DUALPIPE_V)
 RECOMPUTE = ("none", "selective", "full")
 CONTEXT_PARALLEL_TYPES = ("ring", "ulysses", "hybrid")         # docs/13-context-parallelism.md
 
@@ -76,7 +80,7 @@ class ParallelConfig:
     """How to parallelise, beyond the mesh's sizes (which only the Topology holds)."""
 
     schedule: str = ONE_F_ONE_B      # one of SCHEDULES; only matters with pipeline stages
-    virtual_stages: int = 1          # chunks of layers per pipeline rank (interleaved 1F1B)
+    virtual_stages: int = 1          # chunks of layers per pipeline rank (interleaved 1F1B; 2 for a V)
     zero_stage: int = 0
     bucket_size: int = 1 << 20       # elements per data-parallel gradient bucket
     overlap_grad_reduce: bool = True # start each bucket's all-reduce during the backward
@@ -85,6 +89,14 @@ class ParallelConfig:
     context_parallel_type: str = "ring"  # attention over cp: the ring, Ulysses' all-to-all, or both
     ulysses_size: int = 0            # hybrid only: cp ranks per all-to-all group (the ring spans cp / it)
     tp_comm_overlap: bool = True     # start column-parallel input-gradient collectives before the weight gradient
+
+    def __post_init__(self):
+        if self.schedule in V_SHAPED and self.virtual_stages == 1:     # a V has two chunks per rank
+            object.__setattr__(self, "virtual_stages", 2)
+
+    @property
+    def v_shaped(self) -> bool:
+        return self.schedule in V_SHAPED
 
     def validate(self) -> "ParallelConfig":
         _integers(self, "virtual_stages", "ulysses_size")
@@ -100,7 +112,10 @@ class ParallelConfig:
             raise UserError(f"unknown recompute {self.recompute!r}; choose one of {', '.join(RECOMPUTE)}")
         if self.schedule not in SCHEDULES:
             raise UserError(f"unknown pipeline schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-        if (self.schedule == INTERLEAVED) != (self.virtual_stages > 1):
+        if self.v_shaped and self.virtual_stages != 2:
+            raise UserError(f"--pipeline-schedule {self.schedule} places exactly two chunks on each rank (a V): "
+                            f"leave out --virtual-stages (got {self.virtual_stages})")
+        if not self.v_shaped and (self.schedule == INTERLEAVED) != (self.virtual_stages > 1):
             raise UserError(f"--pipeline-schedule interleaved and --virtual-stages 2 or more go together "
                             f"(got {self.schedule} with {self.virtual_stages} virtual stages)")
         if self.zero_stage not in ZERO_STAGES:
@@ -135,8 +150,8 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
                             "--sequence-parallel sums LayerNorm gradients over tp only after the whole backward; "
                             "use --zero-stage 2 with --sequence-parallel")
         if parallel.schedule in SPLIT_BACKWARD:
-            raise UserError("--zero-stage 3 gathers a layer's parameters around its whole backward, and the "
-                            "zero-bubble schedule splits that backward into two passes; use another schedule")
+            raise UserError(f"--zero-stage 3 gathers a layer's parameters around its whole backward, and the "
+                            f"{parallel.schedule} schedule splits that backward into two passes; use another schedule")
         if model.num_experts:
             raise UserError("--zero-stage 3 gathers each block's parameters from one flat buffer, and experts live "
                             "in a second one that only their own ranks hold; use --zero-stage 2 with --num-experts")
@@ -149,7 +164,9 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
                         f"tensor-parallel size ({tensor})")
     if model.n_layers % pipeline:
         raise UserError(f"n_layers ({model.n_layers}) must be divisible by the pipeline-parallel size ({pipeline})")
-    if parallel is not None and parallel.virtual_stages > 1:
+    if parallel is not None and parallel.v_shaped:
+        _check_v_shape(model, train, pipeline, data, parallel.schedule)
+    elif parallel is not None and parallel.virtual_stages > 1:
         _check_interleaving(model, train, pipeline, data, parallel.virtual_stages)
     if context > 1 and model.seq_len % (2 * context):
         raise UserError(f"seq_len ({model.seq_len}) must be divisible by 2 x the context-parallel size "
@@ -203,6 +220,18 @@ def _check_interleaving(model: ModelConfig, train, pipeline: int, data: int, vir
         raise UserError(f"the interleaved schedule takes micro-batches in groups of the pipeline-parallel size: "
                         f"{train.num_microbatches(data)} micro-batches per step is not a multiple of {pipeline} "
                         f"(set --global-batch-size to micro batch x dp x a multiple of {pipeline})")
+
+
+def _check_v_shape(model: ModelConfig, train, pipeline: int, data: int, schedule: str) -> None:
+    """ZB-V and DualPipeV (parallel/schedules.py): 2p chunks of n_layers / 2p blocks,
+    and rank 0 runs 2p - 1 forwards of its first chunk before its first backward."""
+    if model.n_layers % (2 * pipeline):
+        raise UserError(f"n_layers ({model.n_layers}) must be divisible by 2 x the pipeline-parallel size "
+                        f"({2 * pipeline}): the {schedule} schedule gives each rank two chunks of whole layers")
+    if train is not None and train.num_microbatches(data) < 2 * pipeline - 1:
+        raise UserError(f"the {schedule} schedule needs at least 2 x pipeline-parallel size - 1 = {2 * pipeline - 1} "
+                        f"micro-batches per step (rank 0 runs that many forwards before its first backward), got "
+                        f"{train.num_microbatches(data)}: raise --global-batch-size")
 
 
 @dataclass(frozen=True)
