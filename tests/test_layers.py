@@ -168,7 +168,7 @@ def test_attention_in_query_tiles_skips_the_future_and_keeps_what_the_formula_sa
     cache = block.forward(rand_x())[1]
     # T = 5 is chunks [0, 2) and [2, 5); each tile sees the keys up to its last query
     ends = {1: [1, 2, 3, 4, 5], 2: [2, 4, 5]}[tile]
-    assert [end for _, end, _, _ in cache["attn"]["saved"][0]] == ends
+    assert [group.key_end for group in cache["attn"]["groups"][0]] == ends
     assert attention_area(T) == {1: 15, 2: 2 * 2 + 2 * 4 + 1 * 5}[tile] < T * T
     assert cache_nbytes(cache) == block_activation_bytes(B, T, C, H, itemsize=8)
 

@@ -95,5 +95,17 @@ class SequenceParallelRegion(ReplicatedRegion):
         return rows[self.tp.rank * t:(self.tp.rank + 1) * t]
 
 
+class DeferredSumRegion(ReplicatedRegion):
+    """Activations whole on every tp rank, as in ReplicatedRegion, but the caller makes
+    "f" and "g" itself, once for several layers: the experts of nn/experts.py, one
+    all-reduce for all the local experts' rows. The layers leave their partial sums."""
+
+    def input_grad(self, dx):
+        return dx
+
+    def reduce(self, y):
+        return y
+
+
 def make_region(topo, sequence_parallel: bool):
     return (SequenceParallelRegion if sequence_parallel else ReplicatedRegion)(topo.tp_comm)
