@@ -167,8 +167,9 @@ def block_work(B, T, C, H, tp, cp=1, sequence_parallel=False, recompute="none") 
         _linear(w, n, C // tp, C, forward, backward)           # output projection
         _linear(w, n, C, F, forward, backward, bias_forward=False)     # MLP up: GELU adds the bias
         _linear(w, n, F, C, forward, backward)                 # MLP down
-        # heads: split q|k|v, scale q, merge / D = rowsum(dO O) (2), dO copy, dq scale, dq|dk|dv copy (3)
-        w.ew(n * C // tp, 5 if forward else 8)
+        # heads: split q|k|v, scale q, merge / D = rowsum(dO O) (2), dO copy, zero dq|dk|dv (3),
+        # dq scale, dq|dk|dv copy (3)
+        w.ew(n * C // tp, 5 if forward else 11)
         _gelu(w, n * F, forward, backward)
         _attention_core(w, B, T, heads, hd, cp, forward, backward, recompute_probs=recompute == "selective")
         w.small(SMALL_CALLS["block"])
