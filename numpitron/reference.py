@@ -36,7 +36,7 @@ def gelu_slope(x):
 
 
 def layernorm(x, weight, bias, eps=1e-5):
-    """Ba et al. 2016, eq. (4), over the last axis: y = (x - mean) / sqrt(var + eps) * weight + bias."""
+    """Ba et al. 2016, §3, over the last axis: y = (x - mean) / sqrt(var + eps) * weight + bias."""
     mean = x.mean(axis=-1, keepdims=True)
     var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
     return (x - mean) / np.sqrt(var + eps) * weight + bias
