@@ -75,30 +75,31 @@ class ParallelAttention(Layer):
         state = AttentionState(q)
         if kv is not None:                               # the new positions, after the cached ones
             keys, values, start = kv.append(k, v)
-            saved = [attend_block(q, query_tiles([Chunk(0, T, start)]), keys, values, [Chunk(0, start + T, 0)], state)]
+            groups = [attend_block(q, query_tiles([Chunk(0, T, start)]), keys, values, [Chunk(0, start + T, 0)], state)]
         else:
-            saved = self._ring_forward(q, k, v, state)
+            groups = self._ring_forward(q, k, v, state)
         out = self.heads.to_tokens(state.out)            # back to this rank's tokens, H/tp heads
         merged = out.transpose(0, 2, 1, 3).reshape(B, t, -1)
         state.out = None             # the output projection keeps the merged copy
         if not self.keep_probs:
-            saved = [[(qc, end, None, lse) for qc, end, _, lse in step] for step in saved]
+            groups = [[group._replace(probs=None) for group in step] for step in groups]
         y, proj_cache = self.proj.forward(merged)
-        return y, {"qkv": qkv_cache, "q": q, "k": k, "v": v, "state": state, "saved": saved, "proj": proj_cache}
+        return y, {"qkv": qkv_cache, "q": q, "k": k, "v": v, "state": state, "groups": groups, "proj": proj_cache}
 
     def _ring_forward(self, q, k, v, state):
+        """The softmax groups of every ring step, one list per step."""
         T, cp = q.shape[2], self.ring.size
         mine = query_tiles(self.chunks(T, cp, self.ring_rank))
-        saved, block = [], [k, v]
+        groups, block = [], [k, v]
         for step in range(cp):
             owner = (self.ring_rank - step) % cp
             if step + 1 < cp:                            # pass this block on while using it
                 incoming, pending = self.ring.ring_pass(block, KV_TAG)
-            saved.append(attend_block(q, mine, *block, self.chunks(T, cp, owner), state))
+            groups.append(attend_block(q, mine, *block, self.chunks(T, cp, owner), state))
             if step + 1 < cp:
                 self.ring.wait_all(pending)
                 block = incoming
-        return saved
+        return groups
 
     def start_backward_input(self, dy, cache):
         q, k, v, state = cache["q"], cache["k"], cache["v"], cache["state"]
@@ -110,23 +111,22 @@ class ParallelAttention(Layer):
         d_rowsum = d_rowsum.reshape(heads[:3]).transpose(0, 2, 1)[..., None]
         dout = np.ascontiguousarray(dmerged.reshape(heads).transpose(0, 2, 1, 3))
         dout, d_rowsum = self.heads.to_heads(dout), self.heads.to_heads(d_rowsum)    # as q was
-        dqkv = np.empty((3,) + q.shape, dy.dtype)
+        dqkv = np.zeros((3,) + q.shape, dy.dtype)        # every group adds into it
         dq, dk, dv = dqkv
         T, cp = q.shape[2], self.ring.size
-        block, grads, dq_written = [k, v], [dk, dv], set()
-        for step, saved in enumerate(cache["saved"]):
-            if step + 1 < len(cache["saved"]):
+        block, grads, steps = [k, v], [dk, dv], len(cache["groups"])
+        for step, groups in enumerate(cache["groups"]):
+            if step + 1 < steps:
                 incoming, pending = self.ring.ring_pass(block, KV_TAG)
             if not self.keep_probs:                      # recompute this block's probabilities
                 owner = (self.ring_rank - step) % cp
-                saved = attend_block(q, query_tiles(self.chunks(T, cp, self.ring_rank)), *block,
-                                     self.chunks(T, cp, owner), AttentionState(q))
-            attend_block_backward(saved, q, *block, dout, d_rowsum, state, dq, *grads, dq_written,
-                                  block_grads_fresh=step == 0)
+                groups = attend_block(q, query_tiles(self.chunks(T, cp, self.ring_rank)), *block,
+                                      self.chunks(T, cp, owner), AttentionState(q))
+            attend_block_backward(groups, q, *block, dout, d_rowsum, state, dq, *grads)
             # The block's gradients travel with it; after the last step, home to its owner.
             grads, grad_pending = self.ring.ring_pass(grads, GRAD_TAG)
             self.ring.wait_all(grad_pending)
-            if step + 1 < len(cache["saved"]):
+            if step + 1 < steps:
                 self.ring.wait_all(pending)
                 block = incoming
         for own, arrived in zip((dk, dv), grads):
