@@ -10,6 +10,12 @@ Expert parallelism adds no axis: the ep group is carved out of dp (Megatron-LM's
 choice). Consecutive dp ranks form an ep group and split the experts among them;
 ranks with the same position in their ep group (dp_rank % ep) hold the same experts
 and average their gradients (the expert_dp group, dp / ep ranks).
+
+Hybrid sharding (HSDP) adds no axis either: dp splits into dp / S replicas of S
+consecutive dp ranks each (`--data-parallel-shard-size S`, docs/12-zero-2-and-3.md).
+ZeRO shards over the cp x S ranks of one replica (dp_shard: on one host when a host
+holds tp x cp x S ranks) and the replicas average their shards over dp_replica (the
+slow link). S = dp is plain ZeRO (dp_replica has one rank), S = 1 replicates only.
 """
 
 import socket
@@ -18,7 +24,8 @@ from typing import NamedTuple
 from numpitron.distributed.comm import Comm, CommStats
 from numpitron.errors import UserError
 
-GROUPS = ("tp", "cp", "dp", "dp_cp", "pp", "model", "embedding", "ep", "expert_dp", "expert_model")
+GROUPS = ("tp", "cp", "dp", "dp_cp", "pp", "model", "embedding", "ep", "expert_dp", "expert_model",
+          "dp_shard", "dp_replica", "dp_shard_model")
 
 
 class Mesh(NamedTuple):
@@ -27,15 +34,17 @@ class Mesh(NamedTuple):
     dp: int
     cp: int = 1
     ep: int = 1          # expert parallelism, inside dp
+    dp_shard: int = 0    # S: dp ranks that shard ZeRO's state (HSDP), inside dp; 0: dp
 
 
 def resolve_mesh(world_size: int, tensor: int, pipeline: int, data: int | None, context: int = 1,
-                 expert: int = 1) -> Mesh:
-    """The mesh sizes for this world, with dp derived when not given. No communication.
-    (That ep divides dp is checked with the model, in config.check_layout.)"""
+                 expert: int = 1, data_shard: int | None = None) -> Mesh:
+    """The mesh sizes for this world, with dp derived when not given and S = dp unless
+    given. No communication. (That ep divides dp is checked with the model, in
+    config.check_layout.)"""
     for name, value in (("tensor-parallel size", tensor), ("pipeline-parallel size", pipeline),
                         ("data-parallel size", data), ("context-parallel size", context),
-                        ("expert-parallel size", expert)):
+                        ("expert-parallel size", expert), ("data-parallel shard size", data_shard)):
         if value is not None and value < 1:
             raise UserError(f"{name} must be positive, got {value}")
     model_parallel = tensor * pipeline * context
@@ -49,7 +58,11 @@ def resolve_mesh(world_size: int, tensor: int, pipeline: int, data: int | None, 
         raise UserError(
             f"tensor x context x pipeline x data parallel size ({tensor} x {context} x {pipeline} x {data} = "
             f"{model_parallel * data}) does not match the world size {world_size}")
-    return Mesh(tensor, pipeline, data, context, expert)
+    data_shard = data_shard or data
+    if data % data_shard:
+        raise UserError(f"--data-parallel-shard-size {data_shard} must divide the data-parallel size {data}: "
+                        f"the dp ranks split into dp / S replicas of S ranks each")
+    return Mesh(tensor, pipeline, data, context, expert, data_shard)
 
 
 class Topology:
@@ -63,12 +76,17 @@ class Topology:
     embedding (first and last stage: the tied embedding). Experts: ep (ep consecutive dp
     ranks, which split the experts and exchange tokens), expert_dp (the dp ranks holding
     the same experts), expert_model (tp x pp x ep: one whole copy of every expert, for
-    the gradient norm).
+    the gradient norm). Hybrid sharding: dp_shard (the cp x S ranks of one replica, which
+    ZeRO shards over), dp_replica (the dp / S ranks holding the same shard, which average
+    it), dp_shard_model (dp_shard x model: one copy of every shard, for the norm).
     """
 
-    def __init__(self, world, tp: int, pp: int, dp: int, stats: CommStats | None = None, cp: int = 1, ep: int = 1):
+    def __init__(self, world, tp: int, pp: int, dp: int, stats: CommStats | None = None, cp: int = 1, ep: int = 1,
+                 dp_shard: int = 0):
         self.stats = stats or CommStats()
         self.tp, self.pp, self.dp, self.cp, self.ep = tp, pp, dp, cp, ep
+        self.dp_shard = dp_shard or dp            # S
+        self.dp_replicas = dp // self.dp_shard
         self.world_size = tp * pp * dp * cp
         self.rank = 0 if world is None else world.Get_rank()
         self.pp_rank, rest = divmod(self.rank, dp * cp * tp)
@@ -76,6 +94,8 @@ class Topology:
         self.cp_rank, self.tp_rank = divmod(rest, tp)
         self.dp_cp_rank = self.dp_rank * cp + self.cp_rank
         self.expert_dp_rank, self.ep_rank = divmod(self.dp_rank, ep)
+        self.dp_replica_rank, in_shard = divmod(self.dp_rank, self.dp_shard)
+        self.dp_shard_rank = in_shard * cp + self.cp_rank
         self.world = Comm(world, self.stats, "world")
         # Each rank's host, gathered once at set-up: the printout names them, and a
         # group whose ranks sit on several hosts crosses the network (docs/17-many-hosts.md).
@@ -84,6 +104,7 @@ class Topology:
             for name in GROUPS:
                 setattr(self, f"{name}_comm", Comm(None, self.stats, name))
         else:
+            self._check_shard_placement()
             self._split(world)
 
     @property
@@ -113,6 +134,12 @@ class Topology:
         self.expert_dp_comm = Comm(world.Split(((pp_rank * ep + ep_rank) * cp + cp_rank) * tp + tp_rank, expert_dp_rank),
                                    self.stats, "expert_dp")
         self.expert_model_comm = Comm(world.Split(expert_dp_rank * cp + cp_rank, self.rank), self.stats, "expert_model")
+        S, replica = self.dp_shard, self.dp_replica_rank
+        self.dp_shard_comm = Comm(world.Split((pp_rank * self.dp_replicas + replica) * tp + tp_rank, self.dp_shard_rank),
+                                  self.stats, "dp_shard")
+        self.dp_replica_comm = Comm(world.Split(((pp_rank * S + dp_rank % S) * cp + cp_rank) * tp + tp_rank, replica),
+                                    self.stats, "dp_replica")
+        self.dp_shard_model_comm = Comm(world.Split(replica, self.rank), self.stats, "dp_shard_model")
 
     @classmethod
     def serial(cls) -> "Topology":
@@ -121,18 +148,19 @@ class Topology:
 
     @classmethod
     def from_world(cls, tensor: int = 1, pipeline: int = 1, data: int | None = None, world=None,
-                   context: int = 1, expert: int = 1) -> "Topology":
+                   context: int = 1, expert: int = 1, data_shard: int | None = None) -> "Topology":
         from mpi4py import MPI
         world = world or MPI.COMM_WORLD
-        return cls.from_mesh(world, resolve_mesh(world.Get_size(), tensor, pipeline, data, context, expert))
+        return cls.from_mesh(world, resolve_mesh(world.Get_size(), tensor, pipeline, data, context, expert,
+                                                 data_shard))
 
     @classmethod
     def from_mesh(cls, world, mesh: Mesh) -> "Topology":
-        return cls(world, mesh.tp, mesh.pp, mesh.dp, cp=mesh.cp, ep=mesh.ep)
+        return cls(world, mesh.tp, mesh.pp, mesh.dp, cp=mesh.cp, ep=mesh.ep, dp_shard=mesh.dp_shard)
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(self.tp, self.pp, self.dp, self.cp, self.ep)
+        return Mesh(self.tp, self.pp, self.dp, self.cp, self.ep, self.dp_shard)
 
     @property
     def is_first_stage(self) -> bool:
@@ -161,7 +189,10 @@ class Topology:
 
     def __str__(self) -> str:
         experts = f" (experts split over ep={self.ep} of the dp ranks)" if self.ep > 1 else ""
-        lines = [f"mesh: tp={self.tp} x cp={self.cp} x dp={self.dp} x pp={self.pp} ({self.world_size} ranks){experts}"]
+        hybrid = (f" (ZeRO shards over {self.dp_shard} of the dp ranks, {self.dp_replicas} replicas)"
+                  if self.dp_shard < self.dp else "")
+        lines = [f"mesh: tp={self.tp} x cp={self.cp} x dp={self.dp} x pp={self.pp} ({self.world_size} ranks)"
+                 f"{experts}{hybrid}"]
         for s in range(self.pp):
             replicas = ["[" + " | ".join(" ".join(str(self.world_rank_of(s, d, t, c)) for t in range(self.tp))
                                          for c in range(self.cp)) + "]" for d in range(self.dp)]
@@ -185,3 +216,20 @@ class Topology:
                     crossing.append(axis)
                     break
         return crossing
+
+    def _check_shard_placement(self) -> None:
+        """Hybrid sharding keeps a shard group's gathers and reduce-scatters inside one
+        host. Its ranks span tp x cp x S consecutive ranks (tp fastest, then cp, then dp):
+        with S < dp, a group that crosses hosts although that many ranks fit on the
+        smallest host is a placement mistake, refused on every rank alike."""
+        span = self.tp * self.cp * self.dp_shard
+        smallest_host = min(self.hostnames.count(h) for h in set(self.hostnames))
+        if self.dp_shard == self.dp or span > smallest_host:
+            return
+        for first in range(0, self.world_size, span):
+            hosts = sorted(set(self.hostnames[first:first + span]))
+            if len(hosts) > 1:
+                raise UserError(
+                    f"--data-parallel-shard-size {self.dp_shard}: ranks {first}-{first + span - 1} (tp x cp x S = "
+                    f"{span} consecutive ranks) would shard across hosts {', '.join(hosts)}, though a host holds "
+                    f"{smallest_host} ranks; place a multiple of {span} consecutive ranks on each host")
