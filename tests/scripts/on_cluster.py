@@ -64,7 +64,8 @@ def step_bytes(mesh_json: str):
     after = link_counters()
     topo = trainer.topo
     formula = comm_bytes(trainer.model_cfg, trainer.parallel_cfg, trainer.train_cfg,
-                         Rank(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank, topo.cp_rank, topo.dp_rank))
+                         Rank(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank, topo.cp_rank, topo.dp_rank,
+                              topo.dp_shard))
     if world.Get_rank() == 0:
         print(json.dumps({"link": {k: after[k] - before[k] for k in after}, "formula": formula,
                           "counted": trainer.topo.stats.total_bytes()}), flush=True)
