@@ -2,8 +2,11 @@
 them (and the MPI world) into validated configs and a Topology."""
 
 import argparse
+import math
 
+from numpitron.config import CONTEXT_PARALLEL_TYPES
 from numpitron.config import DTYPES, RECOMPUTE, SCHEDULES, ZERO_STAGES, ModelConfig, ParallelConfig, TrainConfig, check_layout
+from numpitron.distributed.watchdog import DEFAULT_TIMEOUT_S
 from numpitron.errors import UserError
 
 
@@ -14,10 +17,25 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         raise UserError(message)
 
+    def parse_known_args(self, args=None, namespace=None):
+        # --config FILE.toml: the file's values become defaults, so flags still win.
+        if any(action.dest == "config" for action in self._actions):
+            from numpitron.config_file import config_path_in, read_config
+            path = config_path_in(args)
+            if path is not None:
+                self.set_defaults(**read_config(path, self))
+        return super().parse_known_args(args, namespace)
+
     def print_help(self, file=None):
         from numpitron.distributed.launch import world_rank_and_size
         if world_rank_and_size()[0] == 0:
             super().print_help(file)
+
+
+def add_config_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE.toml",
+                   help="flags from a file: each flag's name with underscores as a key, in the section of its "
+                        "group below (configs/ has examples); flags given here win")
 
 
 def add_mesh_flags(p: argparse.ArgumentParser) -> None:
@@ -34,6 +52,9 @@ def add_mesh_flags(p: argparse.ArgumentParser) -> None:
                         "default dp); the dp / S replicas average across hosts")
     g.add_argument("--blas-threads", type=int, default=1,
                    help="BLAS threads per rank (read before NumPy starts)")
+    g.add_argument("--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help="a rank that waits longer in one collective ends the job, naming itself and the "
+                        "collective (0: wait forever)")
 
 
 def add_parallel_flags(p: argparse.ArgumentParser) -> None:
@@ -55,6 +76,13 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="split LayerNorm and residual activations over tp along the sequence")
     g.add_argument("--recompute", choices=RECOMPUTE, default=d.recompute,
                    help="recompute in the backward: nothing, the attention probabilities, or whole blocks")
+    g.add_argument("--context-parallel-type", choices=CONTEXT_PARALLEL_TYPES, default=d.context_parallel_type,
+                   help="attention over the cp ranks: keys and values around a ring, an all-to-all over heads "
+                        "(Ulysses), or Ulysses groups joined by a ring (hybrid)")
+    g.add_argument("--ulysses-size", type=int, default=d.ulysses_size,
+                   help="with --context-parallel-type hybrid: cp ranks per all-to-all group")
+    g.add_argument("--tp-comm-overlap", action=argparse.BooleanOptionalAction, default=d.tp_comm_overlap,
+                   help="hide each column-parallel layer's input-gradient collective behind its weight gradient")
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -91,6 +119,7 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
 def training_parser(description: str = "Train a GPT on Tiny Shakespeare on any mesh.") -> ArgumentParser:
     """The training script's flags; the benchmark adds its own to the same parser."""
     p = ArgumentParser(description=description)
+    add_config_flag(p)
     add_mesh_flags(p)
     add_parallel_flags(p)
     add_model_flags(p)
@@ -121,7 +150,9 @@ def configs_from_args(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
                               zero_stage=args.zero_stage,
                               bucket_size=args.bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
                               hierarchical_all_reduce=args.hierarchical_all_reduce,
-                              sequence_parallel=args.sequence_parallel, recompute=args.recompute).validate()
+                              sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+                              context_parallel_type=args.context_parallel_type, ulysses_size=args.ulysses_size,
+                              tp_comm_overlap=args.tp_comm_overlap).validate()
     train = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size or 0,
                         **{k: getattr(args, k) for k in (
                             "max_iters", "eval_interval", "eval_iters", "warmup_iters", "lr_decay_iters",
@@ -134,6 +165,10 @@ def mesh_from_args(args, world_size: int, model: ModelConfig, train: TrainConfig
                    parallel: ParallelConfig | None = None):
     """The Mesh for this world, after every check that involves it."""
     from numpitron.distributed.topology import resolve_mesh
+    if args.blas_threads < 1:
+        raise UserError(f"--blas-threads must be positive, got {args.blas_threads}")
+    if not math.isfinite(args.collective_timeout) or args.collective_timeout < 0:
+        raise UserError(f"--collective-timeout must be a finite number of seconds >= 0, got {args.collective_timeout}")
     mesh = resolve_mesh(world_size, args.tensor_parallel_size, args.pipeline_parallel_size,
                         args.data_parallel_size, args.context_parallel_size, args.expert_parallel_size,
                         args.data_parallel_shard_size)
@@ -150,4 +185,5 @@ def setup_training(args, world=None):
     world = world or MPI.COMM_WORLD
     model, parallel, train = configs_from_args(args)
     mesh = mesh_from_args(args, world.Get_size(), model, train, parallel)
-    return model, parallel, train, Topology.from_mesh(world, mesh)
+    return model, parallel, train, Topology.from_mesh(world, mesh, args.collective_timeout,
+                                                      parallel.ulysses_group(mesh.cp))

@@ -18,6 +18,7 @@ GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "gpipe", "1f1b", "interleaved", "
 SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE)
 SPLIT_BACKWARD = (ZERO_BUBBLE,)
 RECOMPUTE = ("none", "selective", "full")
+CONTEXT_PARALLEL_TYPES = ("ring", "ulysses", "hybrid")         # docs/13-context-parallelism.md
 
 
 @dataclass(frozen=True)
@@ -47,19 +48,23 @@ class ModelConfig:
     def is_moe_block(self, index: int) -> bool:
         return self.num_experts > 0 and index % self.moe_every == 0
 
-    def validate(self) -> "ModelConfig":
-        _integers(self, "vocab_size", "seq_len", "n_layers", "n_heads", "d_model")
-        _positive(self, "vocab_size", "seq_len", "n_layers", "n_heads", "d_model")
+    def validate(self, label=None) -> "ModelConfig":
+        """label(field) names a field in messages: its flag by default; a config read
+        from a file names its fields as the file does."""
+        label = label or _flag
+        _integers(self, "vocab_size", "seq_len", "n_layers", "n_heads", "d_model", label=label)
+        _positive(self, "vocab_size", "seq_len", "n_layers", "n_heads", "d_model", label=label)
         if self.d_model % self.n_heads:
             raise UserError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise UserError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        _integers(self, "num_experts", "moe_top_k", "moe_every")
-        _finite(self, "moe_capacity_factor", "moe_aux_loss_coef")
-        _non_negative(self, "num_experts", "moe_capacity_factor", "moe_aux_loss_coef")
-        _positive(self, "moe_top_k", "moe_every")
+        _integers(self, "num_experts", "moe_top_k", "moe_every", label=label)
+        _finite(self, "moe_capacity_factor", "moe_aux_loss_coef", label=label)
+        _non_negative(self, "num_experts", "moe_capacity_factor", "moe_aux_loss_coef", label=label)
+        _positive(self, "moe_top_k", "moe_every", label=label)
         if self.num_experts and self.moe_top_k > self.num_experts:
-            raise UserError(f"--moe-top-k ({self.moe_top_k}) must not exceed --num-experts ({self.num_experts})")
+            raise UserError(f"{label('moe_top_k')} ({self.moe_top_k}) must not exceed {label('num_experts')} "
+                            f"({self.num_experts})")
         return self
 
 
@@ -78,10 +83,20 @@ class ParallelConfig:
     hierarchical_all_reduce: bool = False  # plain dp: sum gradients in two levels (dp_shard, then dp_replica)
     sequence_parallel: bool = False  # split LayerNorm/residual activations over tp along the sequence
     recompute: str = "none"          # "none", "selective" (attention probabilities) or "full" (blocks)
+    context_parallel_type: str = "ring"  # attention over cp: the ring, Ulysses' all-to-all, or both
+    ulysses_size: int = 0            # hybrid only: cp ranks per all-to-all group (the ring spans cp / it)
+    tp_comm_overlap: bool = True     # start column-parallel input-gradient collectives before the weight gradient
 
     def validate(self) -> "ParallelConfig":
-        _integers(self, "virtual_stages")
+        _integers(self, "virtual_stages", "ulysses_size")
         _positive(self, "bucket_size", "virtual_stages")
+        _non_negative(self, "ulysses_size")
+        if self.context_parallel_type not in CONTEXT_PARALLEL_TYPES:
+            raise UserError(f"unknown context-parallel type {self.context_parallel_type!r}; choose one of "
+                            f"{', '.join(CONTEXT_PARALLEL_TYPES)}")
+        if (self.context_parallel_type == "hybrid") != (self.ulysses_size > 0):
+            raise UserError(f"--context-parallel-type hybrid and --ulysses-size go together (got "
+                            f"{self.context_parallel_type} with Ulysses size {self.ulysses_size or 'unset'})")
         if self.recompute not in RECOMPUTE:
             raise UserError(f"unknown recompute {self.recompute!r}; choose one of {', '.join(RECOMPUTE)}")
         if self.schedule not in SCHEDULES:
@@ -95,6 +110,10 @@ class ParallelConfig:
             raise UserError("--hierarchical-all-reduce is for plain data parallelism: with --zero-stage "
                             f"{self.zero_stage}, --data-parallel-shard-size already reduces in two levels")
         return self
+
+    def ulysses_group(self, context: int) -> int:
+        """How many cp ranks share one Ulysses all-to-all (the ring spans context / it)."""
+        return {"ring": 1, "ulysses": context, "hybrid": self.ulysses_size}[self.context_parallel_type]
 
 
 def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
@@ -127,6 +146,8 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
                             "in a second one that only their own ranks hold; use --zero-stage 2 with --num-experts")
     if model.n_heads % tensor:
         raise UserError(f"n_heads ({model.n_heads}) must be divisible by the tensor-parallel size ({tensor})")
+    if parallel is not None:
+        _check_ulysses(model, tensor, context, parallel)
     if (4 * model.d_model) % tensor:
         raise UserError(f"the MLP width 4*d_model ({4 * model.d_model}) must be divisible by the "
                         f"tensor-parallel size ({tensor})")
@@ -159,6 +180,18 @@ def _check_experts(model: ModelConfig, parallel, data: int, context: int, expert
     if model.num_experts and parallel is not None and parallel.sequence_parallel:
         raise UserError("mixture-of-experts layers route whole sequences: --num-experts does not combine with "
                         "--sequence-parallel yet")
+
+
+def _check_ulysses(model: ModelConfig, tensor: int, context: int, parallel: ParallelConfig) -> None:
+    """Ulysses splits each rank's H/tp heads over its all-to-all group (distributed/ulysses.py)."""
+    group, heads = parallel.ulysses_group(context), model.n_heads // tensor
+    if context % group:
+        raise UserError(f"--ulysses-size ({group}) must divide the context-parallel size ({context})")
+    if heads % group:
+        name = "context-parallel size" if parallel.context_parallel_type == "ulysses" else "--ulysses-size"
+        raise UserError(f"{parallel.context_parallel_type} context parallelism gives each rank whole heads: n_heads / "
+                        f"tensor-parallel size ({model.n_heads} / {tensor} = {heads}) must be divisible by the "
+                        f"{name} ({group})")
 
 
 def _check_interleaving(model: ModelConfig, train, pipeline: int, data: int, virtual: int) -> None:
@@ -225,31 +258,34 @@ class TrainConfig:
         return self.global_batch_size or self.micro_batch_size * data_parallel
 
 
-def _integers(cfg, *names):
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _integers(cfg, *names, label=_flag):
     for name in names:
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool):
-            raise UserError(f"{name.replace('_', '-')} must be an integer, got {value!r} "
-                            f"({type(value).__name__})")
+            raise UserError(f"{label(name)} must be an integer, got {value!r} ({type(value).__name__})")
 
 
-def _finite(cfg, *names):
+def _finite(cfg, *names, label=_flag):
     for name in names:
         value = getattr(cfg, name)
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise UserError(f"{name.replace('_', '-')} must be a finite number, got {value!r}")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise UserError(f"{label(name)} must be a finite number, got {value!r}")
 
 
-def _positive(cfg, *names):
+def _positive(cfg, *names, label=_flag):
     for name in names:
         if not getattr(cfg, name) > 0:
-            raise UserError(f"{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+            raise UserError(f"{label(name)} must be positive, got {getattr(cfg, name)}")
 
 
-def _non_negative(cfg, *names):
+def _non_negative(cfg, *names, label=_flag):
     for name in names:
         if getattr(cfg, name) < 0:
-            raise UserError(f"{name.replace('_', '-')} must not be negative, got {getattr(cfg, name)}")
+            raise UserError(f"{label(name)} must not be negative, got {getattr(cfg, name)}")
 
 
 def to_dict(cfg) -> dict:

@@ -39,13 +39,14 @@ class GPTStage(Layer):
     the last. Block names stay global (`blocks.5...`), whichever rank holds them."""
 
     def __init__(self, model_cfg: ModelConfig, topo, seed: int = 0, sequence_parallel: bool = False,
-                 recompute: str = "none", loss_weight: float = 1.0, virtual_stages: int = 1):
+                 recompute: str = "none", loss_weight: float = 1.0, virtual_stages: int = 1,
+                 tp_comm_overlap: bool = True):
         """loss_weight: the weight the schedule gives each micro-batch's loss (1/m); the
         last stage's head receives it as its output gradient, every MoE layer scales its
         aux loss's gradient by it (the role of Megatron's MoEAuxLossAutoScaler)."""
         self.model_cfg, self.topo, self.loss_weight = model_cfg, topo, loss_weight
         self.virtual_stages = virtual_stages
-        self.region = make_region(topo, sequence_parallel)
+        self.region = make_region(topo, sequence_parallel, tp_comm_overlap)
         self.dtype = np.dtype(model_cfg.dtype)
         self.first, self.last = topo.is_first_stage, topo.is_last_stage    # holds the embeddings, the head
         self.routing_log = RoutingLog(model_cfg.n_layers, model_cfg.num_experts)

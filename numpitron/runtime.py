@@ -30,6 +30,23 @@ def blas_threads_from_argv(argv: list[str]) -> str | None:
             return argv[i + 1]
         if arg.startswith("--blas-threads="):
             return arg.split("=", 1)[1]
+    return _blas_threads_in_config(argv)
+
+
+def _blas_threads_in_config(argv: list[str]) -> str | None:
+    """[mesh] blas_threads of a --config file (config_file.py); a file that cannot be
+    read is left for the argument parser to report."""
+    for i, arg in enumerate(argv):
+        path = argv[i + 1] if arg == "--config" and i + 1 < len(argv) else (
+            arg.split("=", 1)[1] if arg.startswith("--config=") else None)
+        if path is not None:
+            try:
+                import tomllib
+                with open(path, "rb") as f:
+                    value = tomllib.load(f).get("mesh", {}).get("blas_threads")
+            except Exception:           # missing file, bad TOML, old Python: the parser says which
+                return None
+            return str(value) if isinstance(value, int) and not isinstance(value, bool) else None
     return None
 
 

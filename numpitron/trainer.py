@@ -36,7 +36,8 @@ class Trainer:
         self.global_batch_size = train_cfg.global_batch(topo.dp)
         self.model = GPTStage(model_cfg, topo, seed=train_cfg.seed, sequence_parallel=parallel_cfg.sequence_parallel,
                               recompute=parallel_cfg.recompute, loss_weight=1.0 / self.num_microbatches,
-                              virtual_stages=parallel_cfg.virtual_stages)
+                              virtual_stages=parallel_cfg.virtual_stages,
+                              tp_comm_overlap=parallel_cfg.tp_comm_overlap)
         # Every rank learns if any stage holds a layer the schedule cannot run.
         on_every_rank(topo.world, lambda: check_backward_splits(self.model, parallel_cfg.schedule))
         # One per store of the model; `optimizer` is the dense parameters' (the only one

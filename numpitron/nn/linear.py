@@ -55,10 +55,12 @@ class ColumnParallelLinear(Layer):
         # again for the weight gradient).
         return y.reshape(*full.shape[:-1], -1), {"x": x}
 
-    def backward_input(self, dy, cache):
+    def start_backward_input(self, dy, cache):
         cache["dy"] = dy
         dx = (rows(dy) @ self._w().T).reshape(dy.shape[:-1] + (-1,))    # this rank's share of dL/dx
-        return self.region.input_grad(dx)   # Megatron's "f" (all-reduce) or reduce-scatter
+        # Megatron's "f" (all-reduce) or reduce-scatter, perhaps still running when
+        # backward_weights starts: nothing there reads dx.
+        return self.region.start_input_grad(dx)
 
     def backward_weights(self, cache):
         dy = rows(cache["dy"])

@@ -23,10 +23,10 @@ class ParallelMLP(Layer):
         y, proj_cache = self.proj.forward(a)      # (B, T, C); proj keeps a for its weight gradient
         return y, {"fc": fc_cache, "slope": slope, "proj": proj_cache}
 
-    def backward_input(self, dy, cache):
+    def start_backward_input(self, dy, cache):
         da = self.proj.backward_input(dy, cache["proj"])
         dh = gelu_backward_(da, cache["slope"])
-        return self.fc.backward_input(dh, cache["fc"])
+        return self.fc.start_backward_input(dh, cache["fc"])     # its sum may overlap our weight half
 
     def backward_weights(self, cache):
         self.proj.backward_weights(cache["proj"])

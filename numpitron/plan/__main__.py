@@ -27,7 +27,8 @@ def parser():
     p = training_parser("Plan a run: memory, communication, FLOPs and time per rank.")
     g = p.add_argument_group("planning")
     g.add_argument("--vocab-size", type=int, default=65, help="65: Tiny Shakespeare's characters")
-    g.add_argument("--device", default="this-machine", help="a profile: this-machine, a100-80gb-node, h100-80gb-node")
+    g.add_argument("--device", default="this-machine",
+                   help="a profile's name (this-machine, a100-80gb-node, h100-80gb-node) or a path to a .json profile")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--search", action="store_true", help="rank every layout of --devices devices")
     g.add_argument("--devices", type=int, default=None, help="world size (default: the mesh flags' product)")
@@ -50,6 +51,7 @@ def search(args, model, parallel, train, device) -> tuple[list, list]:
                 label = f"tp={tp} pp={pp} cp={cp} dp={args.devices // (tp * pp * cp)}"
                 try:
                     result = plan(model, parallel, train, layout_of(trial, args.devices, model, parallel, train), device)
+                    result["parameters"] = parameter_counts(model, pp, parallel.virtual_stages)
                 except UserError as error:
                     rejected.append((label, str(error)))
                     continue
@@ -66,10 +68,40 @@ def replace_args(args, tp, pp, cp):
     return trial
 
 
+def parameter_counts(model, pp: int, virtual_stages: int = 1) -> dict:
+    """The model's size: `total` (the tied embedding once), `per_stage` (what each
+    pipeline rank holds: the first the embeddings, the last the final LayerNorm and,
+    with pp > 1, its copy of the tied embedding for the head), and `active_per_token`
+    (an MoE block runs its router and top-k of its E expert MLPs per token)."""
+    C, V, T, L = model.d_model, model.vocab_size, model.seq_len, model.n_layers
+    attention = 2 * C + (3 * C * C + 3 * C) + (C * C + C) + 2 * C         # ln1, qkv, proj, ln2
+    mlp = (C * 4 * C + 4 * C) + (4 * C * C + C)                          # fc, proj
+
+    def block(i: int, experts_used: int | None = None) -> int:
+        if not model.is_moe_block(i):
+            return attention + mlp
+        return attention + C * model.num_experts + (experts_used or model.num_experts) * mlp   # router: C x E
+    chunks = pp * virtual_stages                     # rank r holds chunks r, r + pp, ... (interleaved 1F1B)
+    held = [[i for c in range(r, chunks, pp) for i in range(c * L // chunks, (c + 1) * L // chunks)] for r in range(pp)]
+    outer = V * C + T * C + 2 * C                    # embeddings, final LayerNorm
+    per_stage = [sum(map(block, blocks)) + (V * C + T * C) * (r == 0) + (2 * C + V * C * (pp > 1)) * (r == pp - 1)
+                 for r, blocks in enumerate(held)]
+    return {"total": sum(map(block, range(L))) + outer, "per_stage": per_stage,
+            "active_per_token": sum(block(i, model.moe_top_k) for i in range(L)) + outer}
+
+
+def size_line(counts: dict) -> str:
+    active, per_stage = counts["active_per_token"], counts["per_stage"]
+    active = "" if active == counts["total"] else f", {active:,} active per token"
+    stages = "" if len(per_stage) == 1 else " (per stage " + ", ".join(f"{n:,}" for n in per_stage) + ")"
+    return f"{counts['total']:,} parameters{active}{stages}"
+
+
 def report(result: dict) -> str:
     mesh = result["mesh"]
     hybrid = f" (ZeRO over {mesh['dp_shard']} of them)" if mesh["dp_shard"] < mesh["dp"] else ""
-    lines = [f"mesh tp={mesh['tp']} pp={mesh['pp']} dp={mesh['dp']}{hybrid} cp={mesh['cp']} ({mesh['devices']} devices), "
+    lines = ["model: " + size_line(result["parameters"]),
+             f"mesh tp={mesh['tp']} pp={mesh['pp']} dp={mesh['dp']}{hybrid} cp={mesh['cp']} ({mesh['devices']} devices), "
              f"{result['microbatches']} micro-batches, bubble {result['bubble']:.1%}",
              f"model FLOPs per iteration {result['model_flops_per_iteration']:.3e} "
              f"(executed {result['hardware_flops_per_iteration']:.3e})",
@@ -100,10 +132,13 @@ def main(argv=None) -> int:
     model = replace(model, vocab_size=args.vocab_size).validate()
     if model.num_experts:
         raise UserError("the planner does not model mixture-of-experts layers yet (their all-to-all bytes "
-                        "depend on the routing): plan the dense model, see docs/14-experts.md")
+                        "depend on the routing): plan the dense model, see docs/14-experts.md; this model has "
+                        + size_line(parameter_counts(model, args.pipeline_parallel_size, parallel.virtual_stages)))
+    if args.devices is not None and args.devices < 1:
+        raise UserError(f"--devices must be positive, got {args.devices}")
     device = load_device(args.device)
     if args.search:
-        if not args.devices or args.devices < 1:
+        if not args.devices:
             raise UserError("--search needs --devices N")
         fits, rejected = search(args, model, parallel, train, device)
         if args.json:
@@ -118,6 +153,7 @@ def main(argv=None) -> int:
     world = args.devices or (args.tensor_parallel_size * args.pipeline_parallel_size * args.context_parallel_size
                              * (args.data_parallel_size or 1))
     result = plan(model, parallel, train, layout_of(args, world, model, parallel, train), device)
+    result["parameters"] = parameter_counts(model, args.pipeline_parallel_size, parallel.virtual_stages)
     print(json.dumps(result) if args.json else report(result))
     return 0
 

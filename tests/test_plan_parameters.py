@@ -1,0 +1,65 @@
+"""The planner states the model's size: its counts equal the parameters a real model
+holds, in total, per pipeline stage, and active per token with experts."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from mpi4py import MPI
+
+from numpitron.config import ParallelConfig
+from numpitron.distributed.gather import saved_params
+from numpitron.distributed.topology import Topology
+from numpitron.model import GPTStage
+from numpitron.plan.__main__ import parameter_counts
+from tests.conftest import REPO
+from tests.harness import tiny_model
+
+MOE = dict(num_experts=4, moe_top_k=1, moe_every=2)
+
+
+def held(model) -> int:
+    return sum(math.prod(p.logical_shape) for p in model.parameters())
+
+
+@pytest.mark.parametrize("experts", [{}, MOE], ids=["dense", "experts"])
+def test_total_and_active_equal_a_real_models_parameters(experts):
+    model_cfg = tiny_model(**experts)
+    model = GPTStage(model_cfg, Topology.serial())
+    stored = sum(math.prod(p.logical_shape) for store in model.stores for p in saved_params(model, store))
+    # Per token an MoE block runs top-k of its experts: leave out experts k .. E-1.
+    idle = sum(math.prod(p.logical_shape) for p in model.parameters()
+               if ".experts." in p.name and int(p.name.split(".experts.")[1].split(".")[0]) >= model_cfg.moe_top_k)
+    counts = parameter_counts(model_cfg, pp=1)
+    assert counts == {"total": stored, "per_stage": [held(model)], "active_per_token": stored - idle}
+    assert (idle > 0) == bool(experts)
+
+
+def test_gpt2_small_has_its_published_size():
+    from numpitron.config import ModelConfig
+    gpt2 = ModelConfig(vocab_size=50257, seq_len=1024, n_layers=12, n_heads=12, d_model=768)
+    assert parameter_counts(gpt2, pp=1)["total"] == 124_439_808          # GPT2LMHeadModel's num_parameters()
+
+
+def test_the_planner_prints_the_size_and_puts_it_in_json():
+    args = [sys.executable, "-m", "numpitron.plan", "--pipeline-parallel-size", "2"]
+    text = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=60).stdout
+    result = json.loads(subprocess.run(args + ["--json"], capture_output=True, text=True, cwd=REPO, timeout=60).stdout)
+    counts = result["parameters"]
+    assert text.splitlines()[0] == (f"model: {counts['total']:,} parameters (per stage "
+                                    f"{counts['per_stage'][0]:,}, {counts['per_stage'][1]:,})")
+    assert counts["total"] == 809_856 == counts["active_per_token"]      # the default model
+
+
+@pytest.mark.parallel(nprocs=2)
+@pytest.mark.parametrize("virtual, experts", [(1, {}), (2, MOE)], ids=["1f1b", "interleaved-experts"])
+def test_per_stage_counts_equal_what_each_pipeline_rank_holds(virtual, experts):
+    model_cfg = tiny_model(**experts)
+    schedule = "interleaved" if virtual > 1 else "1f1b"
+    parallel = ParallelConfig(schedule=schedule, virtual_stages=virtual).validate()
+    topo = Topology.from_world(1, 2, 1)
+    model = GPTStage(model_cfg, topo, virtual_stages=virtual)
+    per_rank = MPI.COMM_WORLD.allgather(held(model))
+    assert per_rank == parameter_counts(model_cfg, 2, parallel.virtual_stages)["per_stage"]
