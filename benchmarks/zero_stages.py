@@ -37,7 +37,7 @@ def one_run(ranks: int, iters: int, flags: list) -> dict:
 
 def exposed_dp_seconds(result: dict) -> float:
     """dp waiting per iteration on the rank that waited least."""
-    return min(sum(v for k, v in rank.items() if k.startswith("dp_cp."))
+    return min(sum(v for k, v in rank.items() if k.startswith(("dp_cp.", "dp_shard.", "dp_replica.")))
                for rank in result["comm_seconds_per_iter_by_kind_per_rank"])
 
 
@@ -47,7 +47,7 @@ def unhidden_dp_seconds(result: dict) -> float:
     from numpitron.plan.devices import load_device
     device = load_device("this-machine")
     calls, nbytes = result["comm_calls_per_iter_by_kind"], result["comm_bytes_per_iter_by_kind"]
-    kinds = [k for k in calls if k in ("dp_cp.reduce_scatter", "dp_cp.all_gather", "dp_cp.all_reduce")]
+    kinds = [k for k in calls if k in ("dp_shard.reduce_scatter", "dp_shard.all_gather", "dp_cp.all_reduce")]
     return sum(calls[k] * device.intra_latency + nbytes[k] / device.intra_bandwidth for k in kinds)
 
 
@@ -72,7 +72,7 @@ def main():
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
             "exposed_dp_ms": 1e3 * statistics.median(exposed_dp_seconds(r) for r in runs),
             "unhidden_dp_ms": 1e3 * unhidden_dp_seconds(runs[0]),
-            "dp_bytes_per_iter": sum(v for k, v in runs[0]["comm_bytes_per_iter_by_kind"].items() if k.startswith("dp_cp.")),
+            "dp_bytes_per_iter": sum(v for k, v in runs[0]["comm_bytes_per_iter_by_kind"].items() if k.startswith(("dp_cp.", "dp_shard.", "dp_replica."))),
             "memory_bytes": memory, "peak_bytes": sum(memory.values())}
     base = rows["ZeRO-0"]["step_ms"]
     for stage in ("ZeRO-2", "ZeRO-3"):      # measured against the same calls waited for at once

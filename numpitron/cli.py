@@ -47,6 +47,9 @@ def add_mesh_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-size", type=int, default=None, help="default: world / (tp * cp * pp)")
     g.add_argument("--expert-parallel-size", type=int, default=1,
                    help="data-parallel ranks that split the experts among them (must divide dp)")
+    g.add_argument("--data-parallel-shard-size", type=int, default=None,
+                   help="hybrid sharding: dp ranks that shard ZeRO's state, on one host (must divide dp; "
+                        "default dp); the dp / S replicas average across hosts")
     g.add_argument("--blas-threads", type=int, default=1,
                    help="BLAS threads per rank (read before NumPy starts)")
     g.add_argument("--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
@@ -68,6 +71,8 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="elements per data-parallel gradient bucket")
     g.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
                    help="reduce gradients after the backward instead of during it")
+    g.add_argument("--hierarchical-all-reduce", action="store_true",
+                   help="plain dp: sum gradients in two levels, inside the shard group then across the replicas")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="split LayerNorm and residual activations over tp along the sequence")
     g.add_argument("--recompute", choices=RECOMPUTE, default=d.recompute,
@@ -145,6 +150,7 @@ def configs_from_args(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
     parallel = ParallelConfig(schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages,
                               zero_stage=args.zero_stage,
                               bucket_size=args.bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
+                              hierarchical_all_reduce=args.hierarchical_all_reduce,
                               sequence_parallel=args.sequence_parallel, recompute=args.recompute,
                               context_parallel_type=args.context_parallel_type, ulysses_size=args.ulysses_size,
                               tp_comm_overlap=args.tp_comm_overlap).validate()
@@ -165,7 +171,8 @@ def mesh_from_args(args, world_size: int, model: ModelConfig, train: TrainConfig
     if not math.isfinite(args.collective_timeout) or args.collective_timeout < 0:
         raise UserError(f"--collective-timeout must be a finite number of seconds >= 0, got {args.collective_timeout}")
     mesh = resolve_mesh(world_size, args.tensor_parallel_size, args.pipeline_parallel_size,
-                        args.data_parallel_size, args.context_parallel_size, args.expert_parallel_size)
+                        args.data_parallel_size, args.context_parallel_size, args.expert_parallel_size,
+                        args.data_parallel_shard_size)
     check_layout(model, train, mesh, parallel)
     return mesh
 

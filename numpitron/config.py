@@ -84,6 +84,7 @@ class ParallelConfig:
     zero_stage: int = 0
     bucket_size: int = 1 << 20       # elements per data-parallel gradient bucket
     overlap_grad_reduce: bool = True # start each bucket's all-reduce during the backward
+    hierarchical_all_reduce: bool = False  # plain dp: sum gradients in two levels (dp_shard, then dp_replica)
     sequence_parallel: bool = False  # split LayerNorm/residual activations over tp along the sequence
     recompute: str = "none"          # "none", "selective" (attention probabilities) or "full" (blocks)
     context_parallel_type: str = "ring"  # attention over cp: the ring, Ulysses' all-to-all, or both
@@ -120,6 +121,9 @@ class ParallelConfig:
                             f"(got {self.schedule} with {self.virtual_stages} virtual stages)")
         if self.zero_stage not in ZERO_STAGES:
             raise UserError(f"zero stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.hierarchical_all_reduce and self.zero_stage:
+            raise UserError("--hierarchical-all-reduce is for plain data parallelism: with --zero-stage "
+                            f"{self.zero_stage}, --data-parallel-shard-size already reduces in two levels")
         return self
 
     def ulysses_group(self, context: int) -> int:

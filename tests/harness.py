@@ -44,13 +44,14 @@ def tiny_tokens(n=6000, vocab=65, seed=0) -> np.ndarray:
 
 
 def make_trainer(model_cfg=None, train_cfg=None, topo=None, tensor=1, pipeline=1, data=None, context=1,
-                 expert=1, **parallel) -> Trainer:
-    """A Trainer on `topo`, or on a mesh of the world's ranks; `parallel` holds
-    ParallelConfig fields (schedule, zero_stage, ...). Checked like the CLI checks."""
+                 expert=1, data_shard=None, **parallel) -> Trainer:
+    """A Trainer on `topo`, or on a mesh of the world's ranks (data_shard: HSDP's S);
+    `parallel` holds ParallelConfig fields (schedule, zero_stage, ...). Checked like
+    the CLI checks."""
     model_cfg, train_cfg = model_cfg or tiny_model(), train_cfg or tiny_train()
     parallel_cfg = ParallelConfig(**parallel).validate()
     topo = topo or Topology.from_world(tensor, pipeline, data, context=context, expert=expert,
-                                       ulysses=parallel_cfg.ulysses_group(context))
+                                       ulysses=parallel_cfg.ulysses_group(context), data_shard=data_shard)
     check_layout(model_cfg, train_cfg, topo.mesh, parallel_cfg)
     return Trainer(model_cfg, parallel_cfg, train_cfg, topo)
 
@@ -120,7 +121,7 @@ def comparable(name, actual, expected, dtype):
 
 
 def mesh_id(mesh):
-    short = {"bucket_size": "bucket", "overlap_grad_reduce": "overlap", "zero_stage": "zero", "virtual_stages": "v"}
+    short = {"data_shard": "S", "bucket_size": "bucket", "overlap_grad_reduce": "overlap", "zero_stage": "zero", "virtual_stages": "v"}
     return "-".join(f"{short.get(k, k)}{v}" for k, v in mesh.items())
 
 

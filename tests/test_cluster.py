@@ -87,7 +87,7 @@ def test_each_rank_runs_on_its_host_and_tp_stays_inside_one(two_by_two):
 
 def test_every_strategy_is_exact_across_hosts(two_by_two):
     out = on_cluster(4, "equivalence")
-    assert out.count("same as one process") == 5, out
+    assert out.count("same as one process") == 6, out
 
 
 @pytest.mark.parametrize("mesh", [{"data": 2}, {"tensor": 2}], ids=["dp", "tp"])
@@ -102,6 +102,20 @@ def test_bytes_on_the_link_are_the_formula_plus_tcp_framing(two_by_two, mesh):
     assert payload == report["counted"]
     framing = FRAME_HEADER_BYTES * link["tx_packets"]
     assert link["tx_packets"] * MSS >= payload            # no segment carries more than one MSS
+    assert abs(link["tx_bytes"] - framing - payload) <= 0.05 * payload, (link, payload, framing)
+
+
+def test_hybrid_sharding_sends_only_the_replica_all_reduce_across_hosts(two_by_two):
+    """HSDP, S = 2 of dp = 4 on 2 hosts x 2 ranks, ZeRO-3: the gathers and reduce-scatters
+    stay inside each host (shared memory), and host 0's link carries its two ranks'
+    all-reduces of their gradient slices over dp_replica, 2 (R-1)/R of a slice each
+    (docs/12): the formula plus TCP/IP framing, within 5% (the step's few small
+    messages, the loss and a barrier, add MPICH headers and a few bytes)."""
+    mesh = {"data": 4, "data_shard": 2, "zero_stage": 3}
+    report = json.loads(on_cluster(4, "replica_bytes", json.dumps(mesh)).splitlines()[-1])
+    link, payload = report["link"], report["formula"]
+    assert report["ranks_on_host"] == 2 and payload == report["counted"] > 0
+    framing = FRAME_HEADER_BYTES * link["tx_packets"]
     assert abs(link["tx_bytes"] - framing - payload) <= 0.05 * payload, (link, payload, framing)
 
 

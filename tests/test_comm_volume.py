@@ -6,7 +6,8 @@ an all-reduce of b bytes over k ranks counts 2(k-1)/k * b, a reduce-scatter or a
 all-gather (k-1)/k of the full buffer, a send its buffer. Besides the strategy's own
 traffic, every iteration averages its loss over dp (1 float64 all-reduce), sends it
 from the last stage to the others (1 float64 broadcast over pp), and sums the squared
-gradient norm (1 float64 all-reduce over the model group, or the world under ZeRO-1);
+gradient norm (1 float64 all-reduce over the model group, or under ZeRO over
+dp_shard_model: the world, or one replica's ranks under hybrid sharding);
 collectives over a group of one rank count nothing.
 All figures are all-gathered before asserting, so a failure never hangs the ranks.
 """
@@ -64,7 +65,7 @@ def test_data_parallel_zero0_and_zero1_volume():
     checks["zero1 state"] = (zero1.optimizer.adam.state_nbytes, math.ceil(store1.size / k) * 2 * item)
     for step in range(3):
         snap = one_step(zero1, tokens)
-        rs, ag = measured(snap, "dp_cp.reduce_scatter"), measured(snap, "dp_cp.all_gather")
+        rs, ag = measured(snap, "dp_shard.reduce_scatter"), measured(snap, "dp_shard.all_gather")
         if step == 0:
             checks.update({
                 "zero1 reduce_scatter": (rs, (k - 1) / k * store1.size * item),
@@ -72,9 +73,9 @@ def test_data_parallel_zero0_and_zero1_volume():
                 "zero1 rs + ag == zero0 all_reduce": (rs + ag, all_reduce_bytes(store1.size * item, k)),
                 "zero1 same store as zero0": (store1.size, store.size),
                 "zero1 loss all_reduce": (measured(snap, "dp_cp.all_reduce"), all_reduce_bytes(F64, k)),
-                "zero1 norm over world": (measured(snap, "world.all_reduce"), all_reduce_bytes(F64, k)),
-                "zero1 kinds": (sorted(snap), ["dp_cp.all_gather", "dp_cp.all_reduce", "dp_cp.reduce_scatter",
-                                               "world.all_reduce"]),
+                "zero1 norm over every shard": (measured(snap, "dp_shard_model.all_reduce"), all_reduce_bytes(F64, k)),
+                "zero1 kinds": (sorted(snap), ["dp_cp.all_reduce", "dp_shard.all_gather", "dp_shard.reduce_scatter",
+                                               "dp_shard_model.all_reduce"]),
             })
         checks[f"zero1 params identical over dp after step {step + 1}"] = (
             identical_over(zero1.topo.dp_comm, store1.data), True)

@@ -14,7 +14,7 @@ def measured_and_planned(n_layers=4, **layout):
     topo, model_cfg = trainer.topo, trainer.model_cfg
     topo.stats.reset()
     trainer.train_step(tiny_tokens())
-    rank = Rank(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank, topo.cp_rank, topo.dp_rank)
+    rank = Rank(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank, topo.cp_rank, topo.dp_rank, topo.dp_shard)
     return {
         "memory": (memory_bytes(trainer.optimizer), state_bytes(model_cfg, trainer.parallel_cfg, rank)),
         "comm": ({k: v["bytes"] for k, v in topo.stats.snapshot().items()},
@@ -38,7 +38,12 @@ LAYOUTS_4 = [dict(tensor=2, pipeline=2, sequence_parallel=True, recompute="full"
              dict(tensor=2, data=2, zero_stage=3, recompute="full"), dict(pipeline=2, data=2, zero_stage=2),
              dict(context=2, data=2, zero_stage=3),
              dict(pipeline=4, schedule="interleaved", virtual_stages=2, n_layers=8),
-             dict(pipeline=2, tensor=2, schedule="zero-bubble", sequence_parallel=True)]
+             dict(pipeline=2, tensor=2, schedule="zero-bubble", sequence_parallel=True),
+             # hybrid sharding (docs/12): S = 2 of dp = 4, each stage; S = 1 with cp, tp or pp
+             dict(data=4, data_shard=2, zero_stage=1), dict(data=4, data_shard=2, zero_stage=2),
+             dict(data=4, data_shard=2, zero_stage=3), dict(data=4, data_shard=2, hierarchical_all_reduce=True),
+             dict(context=2, data=2, data_shard=1, zero_stage=3), dict(tensor=2, data=2, data_shard=1, zero_stage=2),
+             dict(pipeline=2, data=2, data_shard=1, zero_stage=1)]
 
 
 def name(layout):

@@ -47,11 +47,12 @@ def test_serial_topology_sizes_and_no_op_collectives():
 
 
 def test_resolve_mesh_derives_data_parallel_size():
-    assert resolve_mesh(8, 2, 2, None) == (2, 2, 2, 1, 1)
-    assert resolve_mesh(8, 2, 1, None) == (2, 1, 4, 1, 1)
-    assert resolve_mesh(6, 1, 3, 2) == (1, 3, 2, 1, 1)
-    assert resolve_mesh(1, 1, 1, None) == (1, 1, 1, 1, 1)
-    assert resolve_mesh(16, 2, 2, None, 2) == (2, 2, 2, 2, 1)
+    assert resolve_mesh(8, 2, 2, None) == (2, 2, 2, 1, 1, 2)
+    assert resolve_mesh(8, 2, 1, None) == (2, 1, 4, 1, 1, 4)
+    assert resolve_mesh(6, 1, 3, 2) == (1, 3, 2, 1, 1, 2)
+    assert resolve_mesh(1, 1, 1, None) == (1, 1, 1, 1, 1, 1)
+    assert resolve_mesh(16, 2, 2, None, 2) == (2, 2, 2, 2, 1, 2)
+    assert resolve_mesh(8, 1, 1, None, data_shard=2) == (1, 1, 8, 1, 1, 2)       # HSDP: S = 2 of dp = 8
 
 
 @pytest.mark.parametrize("world, tp, pp, dp, message", [

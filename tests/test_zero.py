@@ -58,7 +58,7 @@ def test_zero2_reduce_scatters_during_the_backward_and_frees_the_whole_gradient(
     store = trainer.model.store
     assert_on_every_rank({
         "started in the backward": (started[0], len(buckets.buckets) - 1),
-        "one reduce-scatter per bucket": (snap["dp_cp.reduce_scatter"]["calls"], len(buckets.buckets)),
+        "one reduce-scatter per bucket": (snap["dp_shard.reduce_scatter"]["calls"], len(buckets.buckets)),
         "whole gradient freed": store.grad is None and all(p.grad is None for p in store.params),
         "slice kept": trainer.optimizer.owned.grads.size == store.size // 2,
     })
@@ -79,8 +79,8 @@ def test_zero3_holds_only_slices_between_steps_and_gathers_each_block_twice_per_
         "no gathered layer left": all(p.data is None and p.grad is None for p in store.params),
         "param slice": opt.param_shard.size == store.size // 2,
         # the root once per step, each block in every micro-batch's forward and backward
-        "all-gathers": (snap["dp_cp.all_gather"]["calls"], root_ranges + 2 * m * block_ranges),
-        "reduce-scatters": (snap["dp_cp.reduce_scatter"]["calls"], root_ranges + m * block_ranges),
+        "all-gathers": (snap["dp_shard.all_gather"]["calls"], root_ranges + 2 * m * block_ranges),
+        "reduce-scatters": (snap["dp_shard.reduce_scatter"]["calls"], root_ranges + m * block_ranges),
         "gathered peak is the root and two blocks": (
             opt.gatherer.peak_params, units[-1].nelements + units[0].nelements + units[1].nelements),
     })
@@ -99,7 +99,7 @@ def test_stage3_with_m1_moves_about_one_and_a_half_all_reduces():
         snap = trainer.topo.stats.snapshot()
         # Summed over the ranks: where the slices fall, one rank may own a whole block.
         moved[stage] = MPI.COMM_WORLD.allreduce(
-            sum(v["bytes"] for k, v in snap.items() if k.startswith("dp_cp.") and v["bytes"] > 8))
+            sum(v["bytes"] for k, v in snap.items() if k.startswith(("dp_cp.", "dp_shard.")) and v["bytes"] > 8))
         if stage == 3:
             units, size = trainer.optimizer.gatherer.units, trainer.model.store.size
     ratio = moved[3] / moved[0]

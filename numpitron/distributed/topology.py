@@ -15,6 +15,12 @@ Context parallelism may split its group once more (distributed/ulysses.py): U co
 cp ranks form a Ulysses group (cp_ulysses, an all-to-all over heads), and ranks with
 the same place in their Ulysses groups form a ring (cp_ring, cp / U ranks). The ring
 alone is U = 1, Ulysses alone U = cp; both groups exist on every mesh.
+
+Hybrid sharding (HSDP) adds no axis either: dp splits into dp / S replicas of S
+consecutive dp ranks each (`--data-parallel-shard-size S`, docs/12-zero-2-and-3.md).
+ZeRO shards over the cp x S ranks of one replica (dp_shard: on one host when a host
+holds tp x cp x S ranks) and the replicas average their shards over dp_replica (the
+slow link). S = dp is plain ZeRO (dp_replica has one rank), S = 1 replicates only.
 """
 
 import socket
@@ -25,7 +31,7 @@ from numpitron.distributed.watchdog import Watchdog
 from numpitron.errors import UserError
 
 GROUPS = ("tp", "cp", "cp_ulysses", "cp_ring", "dp", "dp_cp", "pp", "model", "embedding", "ep", "expert_dp",
-          "expert_model")
+          "expert_model", "dp_shard", "dp_replica", "dp_shard_model")
 
 
 class Mesh(NamedTuple):
@@ -34,15 +40,17 @@ class Mesh(NamedTuple):
     dp: int
     cp: int = 1
     ep: int = 1          # expert parallelism, inside dp
+    dp_shard: int = 0    # S: dp ranks that shard ZeRO's state (HSDP), inside dp; 0: dp
 
 
 def resolve_mesh(world_size: int, tensor: int, pipeline: int, data: int | None, context: int = 1,
-                 expert: int = 1) -> Mesh:
-    """The mesh sizes for this world, with dp derived when not given. No communication.
-    (That ep divides dp is checked with the model, in config.check_layout.)"""
+                 expert: int = 1, data_shard: int | None = None) -> Mesh:
+    """The mesh sizes for this world, with dp derived when not given and S = dp unless
+    given. No communication. (That ep divides dp is checked with the model, in
+    config.check_layout.)"""
     for name, value in (("tensor-parallel size", tensor), ("pipeline-parallel size", pipeline),
                         ("data-parallel size", data), ("context-parallel size", context),
-                        ("expert-parallel size", expert)):
+                        ("expert-parallel size", expert), ("data-parallel shard size", data_shard)):
         if value is not None and value < 1:
             raise UserError(f"{name} must be positive, got {value}")
     model_parallel = tensor * pipeline * context
@@ -56,7 +64,11 @@ def resolve_mesh(world_size: int, tensor: int, pipeline: int, data: int | None, 
         raise UserError(
             f"tensor x context x pipeline x data parallel size ({tensor} x {context} x {pipeline} x {data} = "
             f"{model_parallel * data}) does not match the world size {world_size}")
-    return Mesh(tensor, pipeline, data, context, expert)
+    data_shard = data_shard or data
+    if data % data_shard:
+        raise UserError(f"--data-parallel-shard-size {data_shard} must divide the data-parallel size {data}: "
+                        f"the dp ranks split into dp / S replicas of S ranks each")
+    return Mesh(tensor, pipeline, data, context, expert, data_shard)
 
 
 class Topology:
@@ -72,15 +84,19 @@ class Topology:
     the same experts), expert_model (tp x pp x ep: one whole copy of every expert, for
     the gradient norm). Inside cp: cp_ulysses (U consecutive cp ranks) and cp_ring (the
     cp / U ranks at the same place of their Ulysses groups); both count their bytes
-    under "cp".
+    under "cp". Hybrid sharding: dp_shard (the cp x S ranks of one replica, which ZeRO
+    shards over), dp_replica (the dp / S ranks holding the same shard, which average
+    it), dp_shard_model (dp_shard x model: one copy of every shard, for the norm).
     """
 
     def __init__(self, world, tp: int, pp: int, dp: int, stats: CommStats | None = None, cp: int = 1, ep: int = 1,
-                 watchdog: Watchdog | None = None, ulysses: int = 1):
+                 watchdog: Watchdog | None = None, ulysses: int = 1, dp_shard: int = 0):
         self.stats = stats or CommStats()
         self.watchdog = watchdog or Watchdog()          # one deadline for every group's collectives
         self.tp, self.pp, self.dp, self.cp, self.ep = tp, pp, dp, cp, ep
         self.ulysses = ulysses           # cp ranks per Ulysses all-to-all group (must divide cp)
+        self.dp_shard = dp_shard or dp   # S: dp ranks ZeRO shards over (hybrid sharding)
+        self.dp_replicas = dp // self.dp_shard
         self.world_size = tp * pp * dp * cp
         self.rank = 0 if world is None else world.Get_rank()
         self.pp_rank, rest = divmod(self.rank, dp * cp * tp)
@@ -88,6 +104,8 @@ class Topology:
         self.cp_rank, self.tp_rank = divmod(rest, tp)
         self.dp_cp_rank = self.dp_rank * cp + self.cp_rank
         self.expert_dp_rank, self.ep_rank = divmod(self.dp_rank, ep)
+        self.dp_replica_rank, in_shard = divmod(self.dp_rank, self.dp_shard)
+        self.dp_shard_rank = in_shard * cp + self.cp_rank
         self.world = Comm(world, self.stats, "world")
         # Each rank's host, gathered once at set-up: the printout names them, and a
         # group whose ranks sit on several hosts crosses the network (docs/17-many-hosts.md).
@@ -96,6 +114,7 @@ class Topology:
             for name in GROUPS:
                 setattr(self, f"{name}_comm", Comm(None, self.stats, name))
         else:
+            self._check_shard_placement()
             self._split(world)
         for comm in [self.world] + [getattr(self, f"{name}_comm") for name in GROUPS]:
             comm.watchdog = self.watchdog
@@ -131,6 +150,12 @@ class Topology:
         self.expert_dp_comm = Comm(world.Split(((pp_rank * ep + ep_rank) * cp + cp_rank) * tp + tp_rank, expert_dp_rank),
                                    self.stats, "expert_dp")
         self.expert_model_comm = Comm(world.Split(expert_dp_rank * cp + cp_rank, self.rank), self.stats, "expert_model")
+        S, replica, replicas = self.dp_shard, self.dp_replica_rank, self.dp_replicas
+        self.dp_shard_comm = Comm(world.Split((pp_rank * replicas + replica) * tp + tp_rank, self.dp_shard_rank),
+                                  self.stats, "dp_shard")
+        self.dp_replica_comm = Comm(world.Split(((pp_rank * S + dp_rank % S) * cp + cp_rank) * tp + tp_rank, replica),
+                                    self.stats, "dp_replica")
+        self.dp_shard_model_comm = Comm(world.Split(replica, self.rank), self.stats, "dp_shard_model")
 
     @classmethod
     def serial(cls) -> "Topology":
@@ -139,10 +164,10 @@ class Topology:
 
     @classmethod
     def from_world(cls, tensor: int = 1, pipeline: int = 1, data: int | None = None, world=None,
-                   context: int = 1, expert: int = 1, ulysses: int = 1) -> "Topology":
+                   context: int = 1, expert: int = 1, ulysses: int = 1, data_shard: int | None = None) -> "Topology":
         from mpi4py import MPI
         world = world or MPI.COMM_WORLD
-        return cls.from_mesh(world, resolve_mesh(world.Get_size(), tensor, pipeline, data, context, expert),
+        return cls.from_mesh(world, resolve_mesh(world.Get_size(), tensor, pipeline, data, context, expert, data_shard),
                              ulysses=ulysses)
 
     @classmethod
@@ -151,11 +176,11 @@ class Topology:
         the job (None: forever); ulysses: the Ulysses group size inside cp
         (ParallelConfig.ulysses_group)."""
         return cls(world, mesh.tp, mesh.pp, mesh.dp, cp=mesh.cp, ep=mesh.ep,
-                   watchdog=Watchdog(collective_timeout, world.Get_rank()), ulysses=ulysses)
+                   watchdog=Watchdog(collective_timeout, world.Get_rank()), ulysses=ulysses, dp_shard=mesh.dp_shard)
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(self.tp, self.pp, self.dp, self.cp, self.ep)
+        return Mesh(self.tp, self.pp, self.dp, self.cp, self.ep, self.dp_shard)
 
     @property
     def is_first_stage(self) -> bool:
@@ -187,6 +212,8 @@ class Topology:
         lines = [f"mesh: tp={self.tp} x cp={self.cp} x dp={self.dp} x pp={self.pp} ({self.world_size} ranks){experts}"]
         if self.ulysses > 1:
             lines[0] += f" (cp: all-to-all in groups of {self.ulysses}, ring over {self.cp // self.ulysses})"
+        if self.dp_shard < self.dp:
+            lines[0] += f" (ZeRO shards over {self.dp_shard} of the dp ranks, {self.dp_replicas} replicas)"
         for s in range(self.pp):
             replicas = ["[" + " | ".join(" ".join(str(self.world_rank_of(s, d, t, c)) for t in range(self.tp))
                                          for c in range(self.cp)) + "]" for d in range(self.dp)]
@@ -210,3 +237,20 @@ class Topology:
                     crossing.append(axis)
                     break
         return crossing
+
+    def _check_shard_placement(self) -> None:
+        """Hybrid sharding keeps a shard group's gathers and reduce-scatters inside one
+        host. Its ranks span tp x cp x S consecutive ranks (tp fastest, then cp, then dp):
+        with S < dp, a group that crosses hosts although that many ranks fit on the
+        smallest host is a placement mistake, refused on every rank alike."""
+        span = self.tp * self.cp * self.dp_shard
+        smallest_host = min(self.hostnames.count(h) for h in set(self.hostnames))
+        if self.dp_shard == self.dp or span > smallest_host:
+            return
+        for first in range(0, self.world_size, span):
+            hosts = sorted(set(self.hostnames[first:first + span]))
+            if len(hosts) > 1:
+                raise UserError(
+                    f"--data-parallel-shard-size {self.dp_shard}: ranks {first}-{first + span - 1} (tp x cp x S = "
+                    f"{span} consecutive ranks) would shard across hosts {', '.join(hosts)}, though a host holds "
+                    f"{smallest_host} ranks; place a multiple of {span} consecutive ranks on each host")

@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from numpitron.distributed.comm import Comm
 from numpitron.nn.residency import AlwaysResident
 from numpitron.optim.adamw import AdamW
 
@@ -37,17 +38,24 @@ class GradientGroup(NamedTuple):
     """Who shares a store's parameters, and so its gradient reduction."""
     comm: object          # the replicas, averaged over (dp x cp; for experts the dp/ep expert_dp ranks)
     batch_ranks: int      # data-parallel ranks whose tokens the summed gradient covers: the divisor
-    replica_comm: object  # ranks holding one whole copy of the store between them: the ZeRO-0 norm
+    whole_copy_comm: object  # ranks holding one whole copy of the store between them: the ZeRO-0 norm
+    # ZeRO, hybrid sharding (docs/12-zero-2-and-3.md): `comm` is shard_comm x copies_comm.
+    shard_comm: object    # the ranks that split the state between them (dp_shard)
+    copies_comm: object   # the ranks holding the same shard, which average it (dp_replica)
+    shard_norm_comm: object  # one copy of every shard between them: the ZeRO norm (dp_shard_model)
 
     @classmethod
     def dense(cls, topo) -> "GradientGroup":
-        return cls(topo.dp_cp_comm, topo.dp_cp, topo.model_comm)
+        return cls(topo.dp_cp_comm, topo.dp_cp, topo.model_comm, topo.dp_shard_comm, topo.dp_replica_comm,
+                   topo.dp_shard_model_comm)
 
     @classmethod
     def experts(cls, topo) -> "GradientGroup":
         """An expert's gradient already sums the tokens of its ep group (they came to it
-        by all-to-all); summed over expert_dp it covers all dp ranks' tokens."""
-        return cls(topo.expert_dp_comm, topo.dp_cp, topo.expert_model_comm)
+        by all-to-all); summed over expert_dp it covers all dp ranks' tokens. Experts
+        shard over the whole expert_dp group, whatever S: one copy of each shard."""
+        return cls(topo.expert_dp_comm, topo.dp_cp, topo.expert_model_comm, topo.expert_dp_comm,
+                   Comm(None, topo.stats, "expert_dp_replica"), topo.world)
 
 
 class DistributedOptimizer:

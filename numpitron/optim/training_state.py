@@ -8,7 +8,8 @@ moments on the slice [lo, hi) it updates, the parameters on the whole stage (eve
 replica holds them) or, under ZeRO-3, on the same slice.
 
     save_range()              the range this rank writes: its ZeRO slice (without
-                              ZeRO the replicas split the writing the same way)
+                              ZeRO the replicas split the writing the same way; under
+                              HSDP the slice's copies split it again)
     values_in_range(lo, hi)   {buffer: its values on [lo, hi)}, inside what it keeps
     load_ranges()             [(buffer, lo, hi)]: every range it reads back
     load(read_range, t)       restore from read_range(buffer, lo, hi)
@@ -17,18 +18,23 @@ replica holds them) or, under ZeRO-3, on the same slice.
 
 import numpy as np
 
+from numpitron.distributed.comm import Comm
 from numpitron.distributed.sharding import balanced_bounds
 
 FLAT_BUFFERS = ("params", "adam_m", "adam_v")
 
 
 class TrainingState:
-    def __init__(self, store, comm, adam, lo: int, params: np.ndarray, params_lo: int = 0, after_load=None):
+    def __init__(self, store, comm, adam, lo: int, params: np.ndarray, params_lo: int = 0, after_load=None,
+                 copies=None):
         """params: where the optimizer keeps parameter values, from `params_lo` of the
         flat layout on; adam: its moments, on [lo, lo + adam's size); comm: the ranks
-        that share the store (they split the writing); after_load: called once the
-        values are in (ZeRO-3 drops parameters it had gathered)."""
+        that share the store (they split the writing); copies: the ranks that hold the
+        same values as this one besides (HSDP's replicas: they split this rank's part of
+        the writing; default none); after_load: called once the values are in (ZeRO-3
+        drops parameters it had gathered)."""
         self.store, self.comm, self.adam = store, comm, adam
+        self.copies = copies or Comm(None, None, "copies")
         self.lo, self.params, self.params_lo, self.after_load = lo, params, params_lo, after_load
 
     def _held(self, buffer: str) -> tuple[np.ndarray, int]:
@@ -38,7 +44,9 @@ class TrainingState:
         return (self.adam.m if buffer == "adam_m" else self.adam.v), self.lo
 
     def save_range(self) -> tuple[int, int]:
-        return balanced_bounds(self.store.size, self.comm.size, self.comm.rank)
+        lo, hi = balanced_bounds(self.store.size, self.comm.size, self.comm.rank)
+        start, stop = balanced_bounds(hi - lo, self.copies.size, self.copies.rank)
+        return lo + start, lo + stop
 
     def values_in_range(self, lo: int, hi: int) -> dict:
         hi_moments = self.lo + self.adam.m.size

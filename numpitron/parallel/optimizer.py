@@ -2,7 +2,7 @@
 numpitron/optim/distributed.py)."""
 
 from numpitron.optim.distributed import GradientGroup
-from numpitron.parallel.data_parallel import DataParallelOptimizer
+from numpitron.parallel.data_parallel import DataParallelOptimizer, HierarchicalDataParallelOptimizer
 from numpitron.parallel.zero import ZeroOneOptimizer, ZeroTwoOptimizer
 from numpitron.parallel.zero3 import ZeroThreeOptimizer
 
@@ -11,7 +11,10 @@ OPTIMIZERS = {0: DataParallelOptimizer, 1: ZeroOneOptimizer, 2: ZeroTwoOptimizer
 
 def make_optimizer(store, topo, train_cfg, parallel_cfg, group: GradientGroup | None = None):
     """Built after the model: an optimizer that shards pads the store itself."""
-    return OPTIMIZERS[parallel_cfg.zero_stage](store, topo, train_cfg, parallel_cfg, group)
+    chosen = OPTIMIZERS[parallel_cfg.zero_stage]
+    if parallel_cfg.hierarchical_all_reduce:         # plain dp only (config.py)
+        chosen = HierarchicalDataParallelOptimizer
+    return chosen(store, topo, train_cfg, parallel_cfg, group)
 
 
 def make_optimizers(model, topo, train_cfg, parallel_cfg) -> list:

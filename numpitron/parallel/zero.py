@@ -16,6 +16,12 @@ is implemented as exactly those two phases): ZeRO-1 saves memory for free.
 Stage 2 reduce-scatters bucket by bucket during the backward instead of at the
 step (step 1 moves into the backward, overlapped like plain data parallelism), and
 keeps nothing but its slice of the gradients between steps.
+
+Hybrid sharding (HSDP, docs/12-zero-2-and-3.md): "dp" above is the shard group
+(dp_shard, cp x S ranks, inside a host), and between steps 1 and 2 each rank's
+gradient slice is all-reduced over its copies in the other replicas (dp_replica,
+dp / S ranks, across hosts): 1/(cp S) of the gradients cross the slow link. With
+S = dp the replica group has one rank and that all-reduce is a no-op.
 """
 
 import numpy as np
@@ -29,14 +35,16 @@ from numpitron.parallel.data_parallel import GradientBuckets
 
 
 class OwnedSlice:
-    """This rank's 1/dp slice [lo, hi) of a store's flat buffers (the store padded so
-    the slices are equal): the dp-summed gradients on it, the runs of its elements that
-    the norm counts and weight decay applies to, and where any range of the whole
-    buffer falls over the ranks' slices. What ZeRO stages 1, 2 and 3 share."""
+    """This rank's 1/g slice [lo, hi) of a store's flat buffers, g the shard group's
+    size (the store padded so the slices are equal): the summed gradients on it, the
+    runs of its elements that the norm counts and weight decay applies to, and where
+    any range of the whole buffer falls over the ranks' slices. What ZeRO stages 1, 2
+    and 3 share."""
 
-    def __init__(self, store, comm):
+    def __init__(self, store, group: GradientGroup):
+        comm = group.shard_comm
         store.pad_to_multiple(comm.size)
-        self.size, self.comm = store.size, comm
+        self.size, self.comm, self.group = store.size, comm, group
         self.lo, self.hi = shard_bounds(store.size, comm.size, comm.rank)
         self.grads = np.zeros(self.hi - self.lo, store.dtype)
         self.decay_runs = mask_runs(store.decay_mask[self.lo:self.hi])
@@ -49,9 +57,17 @@ class OwnedSlice:
         return (pieces_of_range(lo, hi, self.size, self.comm.size),
                 piece_in_slice(lo, hi, self.size, self.comm.size, self.comm.rank))
 
-    def grad_sumsq(self, world) -> float:
-        """Slices are disjoint over dp and stages over pp; the norm mask handles tp."""
-        return global_grad_sumsq(self.grads, self.norm_runs, world)
+    def average(self) -> None:
+        """The slice, summed over the shard group, summed over the replicas too (the
+        one collective of a step that crosses hosts under HSDP), then the mean over
+        the global batch."""
+        self.group.copies_comm.all_reduce(self.grads)
+        self.grads *= 1.0 / self.group.batch_ranks
+
+    def grad_sumsq(self) -> float:
+        """Slices are disjoint over the shard group and stages over pp; the norm mask
+        handles tp; the replicas' identical copies are left out (one replica's ranks)."""
+        return global_grad_sumsq(self.grads, self.norm_runs, self.group.shard_norm_comm)
 
     def update(self, adam, params, lr: float, norm: float, max_norm: float) -> None:
         """Clip the slice's gradients by the global norm, AdamW on `params` (the slice)."""
@@ -63,27 +79,28 @@ class ZeroOneOptimizer(DistributedOptimizer):
     zero_stage = 1
 
     def __init__(self, store, topo, train_cfg, parallel_cfg=None, group=None):
-        # Sharded over the store's replicas: dp and cp together hold the same parameters
-        # (an expert store: its dp/ep expert_dp ranks).
+        # Sharded over the shard group: dp and cp together hold the same parameters, S
+        # of the dp ranks (HSDP; all of them by default) split them (an expert store:
+        # its dp/ep expert_dp ranks).
         group = group or GradientGroup.dense(topo)
-        self.owned = OwnedSlice(store, group.comm)
+        self.owned = OwnedSlice(store, group)
         super().__init__(store, topo, train_cfg, self.owned.lo, self.owned.hi, group)
-        self.state = TrainingState(store, group.comm, self.adam, self.lo, store.data)
+        self.state = TrainingState(store, group.shard_comm, self.adam, self.lo, store.data, copies=group.copies_comm)
 
     def kept_grads(self) -> list[np.ndarray]:
         """The whole gradient buffer (freed between steps from stage 2 on) and the slice."""
         return super().kept_grads() + [self.owned.grads]
 
     def reduce_grads(self) -> None:
-        self.group.comm.reduce_scatter(self.store.grad, self.owned.grads)    # 1.
-        self.owned.grads *= 1.0 / self.group.batch_ranks
+        self.group.shard_comm.reduce_scatter(self.store.grad, self.owned.grads)    # 1.
+        self.owned.average()
 
     def grad_sumsq(self) -> float:
-        return self.owned.grad_sumsq(self.topo.world)                       # 2.
+        return self.owned.grad_sumsq()                                       # 2.
 
     def update(self, lr: float, norm: float) -> None:
         self.owned.update(self.adam, self.store.data[self.lo:self.hi], lr, norm, self.train_cfg.grad_clip)  # 3.
-        self.group.comm.all_gather(self.store.data)                          # 4.
+        self.group.shard_comm.all_gather(self.store.data)                    # 4.
 
 
 class ZeroTwoOptimizer(ZeroOneOptimizer):
@@ -100,14 +117,14 @@ class ZeroTwoOptimizer(ZeroOneOptimizer):
 
     def __init__(self, store, topo, train_cfg, parallel_cfg, group=None):
         super().__init__(store, topo, train_cfg, parallel_cfg, group)
-        self.buckets = GradientBuckets(store, self.group.comm, parallel_cfg.bucket_size,
+        self.buckets = GradientBuckets(store, self.group.shard_comm, parallel_cfg.bucket_size,
                                        parallel_cfg.overlap_grad_reduce, start=self.reduce_scatter_bucket)
         store.free_grads()
 
     def reduce_scatter_bucket(self, lo: int, hi: int):
-        """Start summing grad[lo:hi] over dp; this rank keeps the part in its slice."""
+        """Start summing grad[lo:hi] over the shard group; this rank keeps the part in its slice."""
         counts, mine = self.owned.split(lo, hi)
-        return self.group.comm.ireduce_scatter(self.store.grad[lo:hi], self.owned.grads[mine], counts)
+        return self.group.shard_comm.ireduce_scatter(self.store.grad[lo:hi], self.owned.grads[mine], counts)
 
     def zero_grad(self) -> None:
         self.store.allocate_grads()
@@ -121,4 +138,4 @@ class ZeroTwoOptimizer(ZeroOneOptimizer):
     def reduce_grads(self) -> None:
         self.buckets.finish()                   # 1. the reduce-scatters the backward started
         self.store.free_grads()
-        self.owned.grads *= 1.0 / self.group.batch_ranks
+        self.owned.average()

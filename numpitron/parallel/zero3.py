@@ -26,6 +26,10 @@ parameters, stay whole for the step. Traffic per step, with N the stage's elemen
 and R the root's: all-gathers of N + (2m - 1)(N - R) and reduce-scatters of
 R + m(N - R), each times (dp-1)/dp; with m = 1 about 1.5 all-reduces.
 
+Hybrid sharding (HSDP): "dp" above is the shard group (dp_shard, inside a host);
+the gathers and reduce-scatters stay in it, and once per step each rank's gradient
+slice is all-reduced over the replicas (dp_replica, across hosts): `OwnedSlice.average`.
+
 Pipeline parallelism would regather every layer for every micro-batch on every
 stage; config.py refuses it (as Megatron-LM and DeepSpeed do).
 """
@@ -66,13 +70,13 @@ class ZeroThreeOptimizer(DistributedOptimizer):
 
     def __init__(self, store, topo, train_cfg, parallel_cfg, group=None):
         group = group or GradientGroup.dense(topo)
-        self.owned = OwnedSlice(store, group.comm)
+        self.owned = OwnedSlice(store, group)
         super().__init__(store, topo, train_cfg, self.owned.lo, self.owned.hi, group)
         self.param_shard = store.data[self.lo:self.hi].copy()
         self.overlap = parallel_cfg.overlap_grad_reduce
         self.gatherer = None
-        self.state = TrainingState(store, group.comm, self.adam, self.lo, self.param_shard, params_lo=self.lo,
-                                   after_load=lambda: self.gatherer.release_root())
+        self.state = TrainingState(store, group.shard_comm, self.adam, self.lo, self.param_shard, params_lo=self.lo,
+                                   after_load=lambda: self.gatherer.release_root(), copies=group.copies_comm)
         store.free_buffers()          # from now on only the slices above exist
 
     @property
@@ -94,10 +98,10 @@ class ZeroThreeOptimizer(DistributedOptimizer):
 
     def reduce_grads(self) -> None:
         self.gatherer.finish_backward()        # the root's reduce-scatter, the last blocks'
-        self.owned.grads *= 1.0 / self.group.batch_ranks
+        self.owned.average()                   # over the replicas (HSDP), and the mean
 
     def grad_sumsq(self) -> float:
-        return self.owned.grad_sumsq(self.topo.world)
+        return self.owned.grad_sumsq()
 
     def update(self, lr: float, norm: float) -> None:
         self.owned.update(self.adam, self.param_shard, lr, norm, self.train_cfg.grad_clip)
@@ -109,7 +113,7 @@ class LayerGatherer:
 
     def __init__(self, model, optimizer):
         store = model.store
-        self.opt, self.dp, self.store = optimizer, optimizer.group.comm, store
+        self.opt, self.dp, self.store = optimizer, optimizer.group.shard_comm, store
         # --no-overlap-grad-reduce: no prefetch, and each reduce-scatter waited for at once
         # (the reference against which benchmarks/zero_stages.py measures the overlap).
         self.overlap = optimizer.overlap

@@ -37,9 +37,9 @@ def parser():
 
 def layout_of(args, world: int, model, parallel, train):
     mesh = resolve_mesh(world, args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size,
-                        args.context_parallel_size, args.expert_parallel_size)
+                        args.context_parallel_size, args.expert_parallel_size, args.data_parallel_shard_size)
     check_layout(model, train, mesh, parallel)
-    return tuple(mesh)[:4]              # (tp, pp, dp, cp): experts are refused in main
+    return tuple(mesh)[:4] + (mesh.dp_shard,)      # (tp, pp, dp, cp, S): experts are refused in main
 
 
 def search(args, model, parallel, train, device) -> tuple[list, list]:
@@ -99,8 +99,9 @@ def size_line(counts: dict) -> str:
 
 def report(result: dict) -> str:
     mesh = result["mesh"]
+    hybrid = f" (ZeRO over {mesh['dp_shard']} of them)" if mesh["dp_shard"] < mesh["dp"] else ""
     lines = ["model: " + size_line(result["parameters"]),
-             f"mesh tp={mesh['tp']} pp={mesh['pp']} dp={mesh['dp']} cp={mesh['cp']} ({mesh['devices']} devices), "
+             f"mesh tp={mesh['tp']} pp={mesh['pp']} dp={mesh['dp']}{hybrid} cp={mesh['cp']} ({mesh['devices']} devices), "
              f"{result['microbatches']} micro-batches, bubble {result['bubble']:.1%}",
              f"model FLOPs per iteration {result['model_flops_per_iteration']:.3e} "
              f"(executed {result['hardware_flops_per_iteration']:.3e})",

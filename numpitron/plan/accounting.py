@@ -31,6 +31,17 @@ class Rank:
     stage: int = 0
     cp_rank: int = 0
     dp_rank: int = 0               # only ZeRO-3's traffic depends on it (where the slices fall)
+    dp_shard: int = 0              # HSDP's S (0: dp): ZeRO shards over cp x S ranks, dp / S replicas
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks ZeRO shards over: cp x S (dp_shard)."""
+        return (self.dp_shard or self.dp) * self.cp
+
+    @property
+    def replicas(self) -> int:
+        """Copies of each shard, averaged across them: dp / S (dp_replica)."""
+        return self.dp // (self.dp_shard or self.dp)
 
     @property
     def first(self) -> bool:
@@ -84,15 +95,18 @@ def block_elements(model, tp: int) -> int:
 def state_bytes(model, parallel, rank: Rank) -> dict:
     """The optimizer's `memory_bytes` on this rank (Rajbhandari et al. 2020, Fig. 1).
     Kept all run: parameters, gradients, Adam's m and v. ZeRO pads the flat buffer to
-    a multiple of the group g = dp x cp and keeps 1/g of: m and v (stage 1, which adds
+    a multiple of the shard group g = S x cp (S = dp unless hybrid sharding makes it
+    smaller; `--hierarchical-all-reduce` pads plain dp's the same way) and keeps 1/g
+    of: m and v (stage 1, which adds
     a 1/g gradient slice), the gradients too (stage 2), and the parameters (stage 3).
     Alive only during a pass: the whole gradient buffer (stage 2), the gathered layers
     and their gradients (stage 3: the root, and two blocks, one computing while the
     next is prefetched or the last is reduce-scattered; one without overlap). The peak
     is the sum."""
-    item, group, stage = model.itemsize, rank.dp * rank.cp, parallel.zero_stage
+    item, group, stage = model.itemsize, rank.shard_group, parallel.zero_stage
     size = parameter_elements(model, rank)[0]
     if stage == 0:
+        size = pad_to_multiple(size, group) if parallel.hierarchical_all_reduce else size
         return {"params": size * item, "grads": size * item, "optimizer_state": 2 * size * item,
                 "gathered_params_peak": 0, "backward_grads_peak": 0}
     padded = pad_to_multiple(size, group)
@@ -175,22 +189,22 @@ def comm_bytes(model, parallel, train, rank: Rank) -> dict:
         add("pp.broadcast", F64)     # the loss, from the last stage
         if rank.first or rank.last:  # the tied embedding's two copies
             add("embedding.all_reduce", _all_reduce(layer_elements(model, tp)["token"][0] * item, 2))
-    group, elements = rank.dp * cp, parameter_elements(model, rank)[0]
-    if group > 1:
-        padded = pad_to_multiple(elements, group)
-        if parallel.zero_stage == 0:
-            add("dp_cp.all_reduce", _all_reduce(elements * item, group))
-        elif parallel.zero_stage in (1, 2):          # the two halves of one all-reduce
-            add("dp_cp.reduce_scatter", _half(padded * item, group))
-            add("dp_cp.all_gather", _half(padded * item, group))
-        else:
-            gathered, scattered = _zero3_elements_moved(model, rank, m, padded)
-            add("dp_cp.all_gather", gathered * item)
-            add("dp_cp.reduce_scatter", scattered * item)
-        add("dp_cp.all_reduce", _all_reduce(F64, group))          # the loss
-    world = tp * cp * pp * rank.dp
-    if parallel.zero_stage >= 1:
-        add("world.all_reduce", _all_reduce(F64, world) if world > 1 else 0)
+    elements, group, replicas = parameter_elements(model, rank)[0], rank.shard_group, rank.replicas
+    padded, sharded = pad_to_multiple(elements, group), parallel.zero_stage or parallel.hierarchical_all_reduce
+    if parallel.zero_stage == 0 and not parallel.hierarchical_all_reduce:
+        add("dp_cp.all_reduce", _all_reduce(elements * item, rank.dp * cp))
+    elif parallel.zero_stage in (0, 1, 2):          # the two halves of one all-reduce inside the shard group
+        add("dp_shard.reduce_scatter", _half(padded * item, group))
+        add("dp_shard.all_gather", _half(padded * item, group))
+    else:
+        gathered, scattered = _zero3_elements_moved(model, rank, m, padded)
+        add("dp_shard.all_gather", gathered * item)
+        add("dp_shard.reduce_scatter", scattered * item)
+    if sharded:                                     # each slice averaged over its replicas (HSDP)
+        add("dp_replica.all_reduce", _all_reduce(padded // group * item, replicas))
+    add("dp_cp.all_reduce", _all_reduce(F64, rank.dp * cp))          # the loss
+    if parallel.zero_stage >= 1:                    # the norm over one replica's ranks
+        add("dp_shard_model.all_reduce", _all_reduce(F64, tp * cp * pp * rank.dp // replicas))
     elif tp * pp > 1:
         add("model.all_reduce", _all_reduce(F64, tp * pp))            # the gradient norm
     return out
@@ -202,7 +216,8 @@ def _zero3_elements_moved(model, rank: Rank, m: int, padded: int) -> tuple[int, 
     rank's slice; the root (embeddings and final LayerNorm, with the padding) once,
     each block in m forwards and m backwards (gathered twice, reduced once). A single
     stage (ZeRO-3 refuses pipelines): the root is the head and the tail of the buffer."""
-    group_rank, group = rank.dp_rank * rank.cp + rank.cp_rank, rank.dp * rank.cp
+    group = rank.shard_group
+    group_rank = rank.dp_rank % (group // rank.cp) * rank.cp + rank.cp_rank
     pieces = layer_elements(model, rank.tp)
     block, head = pieces["block"][0], pieces["token"][0] + pieces["position"][0]
     layers = model.n_layers

@@ -44,8 +44,9 @@ from numpitron.plan.kernels import Work, block_work, embedding_work, head_work, 
 
 
 def plan(model, parallel, train, mesh, device) -> dict:
-    """Memory, bytes, FLOPs and time of one iteration, per stage (the first rank of each)."""
-    tp, pp, dp, cp = mesh
+    """Memory, bytes, FLOPs and time of one iteration, per stage (the first rank of each).
+    mesh: (tp, pp, dp, cp), and HSDP's S (default dp)."""
+    tp, pp, dp, cp, S = mesh_sizes(mesh)
     m = train.num_microbatches(dp)
     global_batch = train.global_batch(dp)
     devices = tp * pp * dp * cp
@@ -59,14 +60,14 @@ def plan(model, parallel, train, mesh, device) -> dict:
     bubble = ideal_bubble(parallel.schedule, pp, m, parallel.virtual_stages)
     stages = []
     for stage in range(pp):
-        rank = Rank(tp, pp, dp, cp, stage, cp_rank=cp - 1)      # the ring's busiest rank
+        rank = Rank(tp, pp, dp, cp, stage, cp_rank=cp - 1, dp_shard=S)      # the ring's busiest rank
         state = state_bytes(model, parallel, rank)
         if device.bytes_per_parameter:                            # mixed precision on paper
             params = state["params"] // model.itemsize
             in_pass = {k: state[k] // model.itemsize * 2
                        for k in ("gathered_params_peak", "backward_grads_peak")}
             state = {"params": 2 * params, "grads": 2 * params, **in_pass,
-                     "optimizer_state": (device.bytes_per_parameter - 4) * params // (dp * cp if parallel.zero_stage else 1)}
+                     "optimizer_state": (device.bytes_per_parameter - 4) * params // (rank.shard_group if parallel.zero_stage else 1)}
         activations = scale * peak_activation_bytes(model, parallel, train, rank)
         comm = {kind: scale * nbytes for kind, nbytes in comm_bytes(model, parallel, train, rank).items()}
         per_mb = price(microbatch_work(model, parallel, train, rank), device, itemsize)
@@ -81,9 +82,10 @@ def plan(model, parallel, train, mesh, device) -> dict:
             tier["seconds"] += t_comm[kind]
         exposed_per_mb = sum(t for kind, t in t_comm.items() if kind.split(".")[0] in ("tp", "cp", "pp")) / m
         t_adam = sum(price(step_work(model, parallel, rank), device, itemsize).values())
-        dp_time = sum(t for kind, t in t_comm.items() if kind.startswith("dp_cp."))
+        dp_time = sum(t for kind, t in t_comm.items() if kind.startswith(("dp_cp.", "dp_shard.", "dp_replica.")))
         buckets = max(1, -(-state["grads"] // (parallel.bucket_size * 4)))
-        exposed_dp = dp_time if parallel.zero_stage in (1, 3) or not parallel.overlap_grad_reduce else dp_time / buckets
+        overlapped = parallel.zero_stage in (0, 2) and parallel.overlap_grad_reduce and not parallel.hierarchical_all_reduce
+        exposed_dp = dp_time / buckets if overlapped else dp_time
         if share > 1:                      # each blocking collective waits for a peer to be scheduled
             per_mb_syncs, step_syncs = sync_points(model, parallel, rank)
             exposed_per_mb += per_mb_syncs * device.time_sharing_wait / stretch
@@ -98,7 +100,7 @@ def plan(model, parallel, train, mesh, device) -> dict:
                                   * bubble / (1 - bubble), "step": step}})
     step = max(s["time_s"]["step"] for s in stages)
     flops = model_flops(*args)
-    return {"mesh": {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "devices": devices}, "microbatches": m,
+    return {"mesh": {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "dp_shard": S, "devices": devices}, "microbatches": m,
             "groups_across_hosts": groups_across_hosts(mesh, device),
             "model_flops_per_iteration": flops, "hardware_flops_per_iteration": hardware_flops(*args, parallel.recompute),
             "bubble": bubble, "time_sharing": share, "pace": stretch / share, "step_s": step, "tokens_per_s": global_batch * model.seq_len / step,
@@ -123,7 +125,7 @@ def microbatch_work(model, parallel, train, rank: Rank) -> Work:
 def step_work(model, parallel, rank: Rank) -> Work:
     """The optimizer step: AdamW over this rank's elements (its 1/(dp cp) slice under
     ZeRO), the gradient norm, clipping and zeroing over its gradient buffer."""
-    size, group = parameter_elements(model, rank)[0], rank.dp * rank.cp
+    size, group = parameter_elements(model, rank)[0], rank.shard_group
     updated = size if parallel.zero_stage == 0 else -(-size // group)
     return optimizer_work(updated, size if parallel.zero_stage < 2 else updated)
 
@@ -156,18 +158,26 @@ def price(work: Work, device, itemsize: float) -> dict:
             "exp": work.exps * device.exp_time, "calls": work.calls * device.call_time}
 
 
+def mesh_sizes(mesh) -> tuple[int, int, int, int, int]:
+    """(tp, pp, dp, cp, S) of a mesh given as (tp, pp, dp, cp) or with HSDP's S after."""
+    tp, pp, dp, cp, *shard = mesh
+    return tp, pp, dp, cp, (shard[0] if shard and shard[0] else dp)
+
+
 def link_tier(kind: str, mesh, device) -> str:
     """"intra" when every group of this kind's communicator lies on one host, else "inter"."""
-    tp, pp, dp, cp = mesh
-    span = {"tp": tp, "cp": tp * cp, "dp_cp": tp * cp * dp}.get(kind.split(".")[0], tp * cp * dp * pp)
+    tp, pp, dp, cp, S = mesh_sizes(mesh)
+    span = {"tp": tp, "cp": tp * cp, "dp_cp": tp * cp * dp, "dp_shard": tp * cp * S,
+            "dp_replica": tp * cp * dp}.get(kind.split(".")[0], tp * cp * dp * pp)
     host = device.host_size()
     return "intra" if span <= host and host % span == 0 or span == 1 else "inter"
 
 
 def groups_across_hosts(mesh, device) -> list[str]:
     """The groups whose collectives cross hosts (those of more than one rank)."""
-    tp, pp, dp, cp = mesh
-    sizes = {"tp": tp, "cp": cp, "dp_cp": dp * cp, "pp": pp}
+    tp, pp, dp, cp, S = mesh_sizes(mesh)
+    sizes = {"tp": tp, "cp": cp, "dp_cp": dp * cp, "dp_shard": S * cp if S < dp else 1,
+             "dp_replica": dp // S, "pp": pp}          # dp_shard is dp_cp unless hybrid
     return [group for group, size in sizes.items() if size > 1 and link_tier(group, mesh, device) == "inter"]
 
 
@@ -180,8 +190,9 @@ def _link_time(kind: str, nbytes: float, mesh, device) -> float:
     group = kind.split(".")[0]
     if link_tier(kind, mesh, device) == "intra":
         return device.intra_latency + nbytes / device.intra_bandwidth
-    tp, pp, dp, cp = mesh
-    size, stride = {"tp": (tp, 1), "cp": (cp, tp), "dp_cp": (dp * cp, tp)}.get(group, (1, 1))
+    tp, pp, dp, cp, S = mesh_sizes(mesh)
+    size, stride = {"tp": (tp, 1), "cp": (cp, tp), "dp_cp": (dp * cp, tp), "dp_shard": (S * cp, tp),
+                    "dp_replica": (dp // S, tp * cp * S)}.get(group, (1, 1))
     per_host = max(1, min(size, device.host_size() // stride))        # the group's ranks on one host
     hosts = size // per_host
     if kind.endswith(("send", "recv", "broadcast", "all_to_all")) or per_host == 1:    # and pp, model, world

@@ -1,9 +1,12 @@
 """What tests/test_cluster.py runs on the simulated hosts, through `cluster run`:
 
     on_cluster.py placement            rank 0 prints the hosts and which mesh axes cross them
-    on_cluster.py equivalence          dp, tp, pp, cp, ZeRO-3 and experts across 2 hosts x 2 ranks
+    on_cluster.py equivalence          dp, tp, pp, cp, ZeRO-3, HSDP and experts across 2 hosts x 2 ranks
                                        against one process (float64, 10 iterations)
     on_cluster.py bytes '{"data": 2}'  one step's bytes on host 0's link, beside the formula
+    on_cluster.py replica_bytes '{"data": 4, "data_shard": 2, "zero_stage": 3}'
+                                       the same for hybrid sharding, whose only traffic across
+                                       hosts is dp_replica's: host 0's ranks' formula for it
     on_cluster.py loop                 trains until killed (for the lost-link test)
 
 Run from the repository root with it on PYTHONPATH (the tests' helpers are imported).
@@ -31,7 +34,8 @@ def equivalence():
     layouts = [dict(tensor=2, data=2, bucket_size=2000),                 # tp in a host, dp across
                dict(tensor=2, pipeline=2, schedule="1f1b"),              # pp across
                dict(context=2, data=2, zero_stage=3),                    # cp in a host, ZeRO-3 across
-               dict(tensor=4)]                                           # tp across
+               dict(tensor=4),                                           # tp across
+               dict(data=4, data_shard=2, zero_stage=3)]                 # HSDP: shard in a host, replicas across
     for mesh in layouts:
         check_mesh(mesh)
         if MPI.COMM_WORLD.Get_rank() == 0:
@@ -47,7 +51,9 @@ def link_counters() -> dict:
     return {f"{d}_{u}": int((stats / f"{d}_{u}").read_text()) for d in ("tx", "rx") for u in ("bytes", "packets")}
 
 
-def step_bytes(mesh_json: str):
+def measured_step(mesh_json: str):
+    """(trainer, this host's link counters' change over one step, the planner's bytes for
+    this rank): the step after a first one, which sets up the connections."""
     from mpi4py import MPI
     from numpitron.plan.accounting import Rank, comm_bytes
     from tests.harness import make_trainer, tiny_tokens
@@ -63,10 +69,27 @@ def step_bytes(mesh_json: str):
     after = link_counters()
     topo = trainer.topo
     formula = comm_bytes(trainer.model_cfg, trainer.parallel_cfg, trainer.train_cfg,
-                         Rank(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank, topo.cp_rank, topo.dp_rank))
-    if world.Get_rank() == 0:
-        print(json.dumps({"link": {k: after[k] - before[k] for k in after}, "formula": formula,
-                          "counted": trainer.topo.stats.total_bytes()}), flush=True)
+                         Rank(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank, topo.cp_rank, topo.dp_rank,
+                              topo.dp_shard))
+    return trainer, {k: after[k] - before[k] for k in after}, formula
+
+
+def step_bytes(mesh_json: str):
+    trainer, link, formula = measured_step(mesh_json)
+    if trainer.topo.rank == 0:
+        print(json.dumps({"link": link, "formula": formula, "counted": trainer.topo.stats.total_bytes()}), flush=True)
+
+
+def replica_bytes(mesh_json: str):
+    trainer, link, formula = measured_step(mesh_json)
+    topo = trainer.topo
+    mine = {"formula": formula.get("dp_replica.all_reduce", 0.0),
+            "counted": topo.stats.bytes["dp_replica.all_reduce"], "host": topo.hostnames[topo.rank]}
+    everyone = topo.world.mpi.gather(mine, root=0)
+    if topo.rank == 0:
+        host0 = [r for r in everyone if r["host"] == topo.hostnames[0]]
+        print(json.dumps({"link": link, "formula": sum(r["formula"] for r in host0),
+                          "counted": sum(r["counted"] for r in host0), "ranks_on_host": len(host0)}), flush=True)
 
 
 def loop():
@@ -81,7 +104,8 @@ def loop():
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    {"placement": placement, "equivalence": equivalence, "bytes": step_bytes, "loop": loop}[argv[0]](*argv[1:])
+    {"placement": placement, "equivalence": equivalence, "bytes": step_bytes, "replica_bytes": replica_bytes,
+     "loop": loop}[argv[0]](*argv[1:])
     return 0
 
 
