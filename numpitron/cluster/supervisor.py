@@ -68,8 +68,8 @@ def replan(job: Job, ranks_left: int, cause: str) -> int:
     for data in range(min(job.data, ranks_left // job.model_parallel), 0, -1):
         if job.global_batch % (job.micro_batch * data) == 0 and data % job.expert == 0:
             return data
-    raise ClusterError(f"{cause}: cannot restart, the {ranks_left} ranks left hold no mesh of tensor x context x "
-                       f"pipeline = {job.model_parallel} ranks a replica with the global batch {job.global_batch} "
+    raise ClusterError(f"{cause}: cannot restart, the {ranks_left} ranks left fit no mesh with tensor x context x "
+                       f"pipeline = {job.model_parallel} ranks per replica and the global batch {job.global_batch} "
                        f"in micro-batches of {job.micro_batch}")
 
 
@@ -108,7 +108,7 @@ def supervise(command: list[str], n: int, max_restarts: int, prefix: str = DEFAU
             return code or 1
         restarts += 1
         hosts = [h for h in hosts if h not in lost]
-        new_data = replan(job, len(hosts) * per_host, f"{cause}")
+        new_data = replan(job, len(hosts) * per_host, cause)
         checkpoint = latest_checkpoint(job.out_dir / "checkpoints")
         if checkpoint is not None and job.overwrite and checkpoint.stat().st_mtime < started:
             checkpoint = None           # the run --overwrite replaced wrote it, not this one
