@@ -2,6 +2,7 @@
 
     python -m numpitron.cluster up --hosts 2 --ranks-per-host 2 --inter-host-rate 200mbit
     python -m numpitron.cluster run -n 4 -- python train_shakespeare.py --tensor-parallel-size 2
+    python -m numpitron.cluster run --max-restarts 2 -n 4 -- python train_shakespeare.py --save-interval 100
     python -m numpitron.cluster status
     python -m numpitron.cluster kill-host 1
     python -m numpitron.cluster down
@@ -14,6 +15,7 @@ import sys
 
 from numpitron.cluster import control, launch
 from numpitron.cluster.network import ClusterError, ClusterSpec
+from numpitron.cluster.supervisor import supervise
 
 
 def parser() -> argparse.ArgumentParser:
@@ -31,6 +33,9 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run an MPI command on the cluster, filling the hosts in order")
     r.add_argument("-n", type=int, required=True, help="number of ranks")
     r.add_argument("--per-host", type=int, default=None, help="ranks on each host (default: --ranks-per-host)")
+    r.add_argument("--max-restarts", type=int, default=0,
+                   help="when a host or rank is lost, restart a training job from its last checkpoint on the "
+                        "hosts left, up to this many times (default 0: never)")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
     sub.add_parser("status", help="print the hosts and their links' byte counters")
     k = sub.add_parser("kill-host", help="take a host off the network and kill its processes")
@@ -47,8 +52,12 @@ def main(argv=None) -> int:
         print(control.status(spec.prefix))
     elif args.action == "run":
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
-        return launch.run(command, args.n, args.prefix, args.per_host,
-                          announce=lambda line: print(line, file=sys.stderr, flush=True))
+        announce = lambda line: print(line, file=sys.stderr, flush=True)    # noqa: E731
+        if args.max_restarts < 0:
+            raise ClusterError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+        if args.max_restarts:
+            return supervise(command, args.n, args.max_restarts, args.prefix, args.per_host, announce)
+        return launch.run(command, args.n, args.prefix, args.per_host, announce)
     elif args.action == "status":
         print(control.status(args.prefix))
     elif args.action == "kill-host":

@@ -12,16 +12,21 @@ what the simulation knows; on real hosts the same role falls to a collective tim
 """
 
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from numpitron.cluster.control import DEFAULT_PREFIX, require, state_dir
 from numpitron.cluster.network import ClusterError, ClusterSpec, host_link_is_up, kill_namespace_processes
 
 WATCH_INTERVAL_S = 0.5
+# What Hydra prints when a rank dies: "[mpiexec@host] file.c:123 ...", "[proxy:0@host] ...",
+# and its "BAD TERMINATION" banner framed by lines of "=".
+LAUNCHER_LINE = re.compile(rb"^(\[(mpiexec|proxy:[0-9]+)@[^]]*\] |=+\r?$|=   )")
 # Forwarded to every rank explicitly, besides Hydra's own forwarding of the whole
 # environment: what Python, BLAS and MPICH need to behave as they would on one host.
 FORWARDED = ("PATH", "PYTHONPATH", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
@@ -36,15 +41,17 @@ def mpiexec_path() -> str:
     return found
 
 
-def placement(spec: ClusterSpec, n: int, per_host: int | None = None) -> list[tuple[int, int]]:
-    """(host, slot) of every rank: `per_host` ranks on each host in order (default:
-    all the host's ranks), a slot per rank when ranks have their own namespaces."""
+def placement(spec: ClusterSpec, n: int, per_host: int | None = None,
+              hosts: list[int] | None = None) -> list[tuple[int, int]]:
+    """(host, slot) of every rank: `per_host` ranks on each of `hosts` in order (default:
+    all the host's ranks, on every host), a slot per rank when ranks have their own namespaces."""
     per_host = per_host or spec.ranks_per_host
+    hosts = list(range(spec.hosts)) if hosts is None else hosts
     if not 1 <= per_host <= spec.ranks_per_host:
         raise ClusterError(f"ranks per host must be between 1 and {spec.ranks_per_host}, got {per_host}")
-    if not 1 <= n <= spec.hosts * per_host:
-        raise ClusterError(f"{n} ranks do not fit on {spec.hosts} hosts x {per_host} ranks")
-    return [(rank // per_host, rank % per_host if spec.intra_host_rate else 0) for rank in range(n)]
+    if not 1 <= n <= len(hosts) * per_host:
+        raise ClusterError(f"{n} ranks do not fit on {len(hosts)} hosts x {per_host} ranks")
+    return [(hosts[rank // per_host], rank % per_host if spec.intra_host_rate else 0) for rank in range(n)]
 
 
 def host_list(spec: ClusterSpec, places: list[tuple[int, int]]) -> str:
@@ -71,41 +78,65 @@ def rank_environment(spec: ClusterSpec) -> dict:
     return env
 
 
-def mpiexec_command(spec: ClusterSpec, command: list[str], n: int, per_host: int | None = None) -> list[str]:
+def mpiexec_command(spec: ClusterSpec, command: list[str], places: list[tuple[int, int]]) -> list[str]:
     env = [arg for name, value in rank_environment(spec).items() for arg in ("-genv", name, value)]
     return ["ip", "netns", "exec", spec.switch, mpiexec_path(), "-launcher", "ssh",
             "-launcher-exec", str(state_dir(spec.prefix) / "hop"), "-iface", "core",
-            "-hosts", host_list(spec, placement(spec, n, per_host)), "-n", str(n), *env, *command]
+            "-hosts", host_list(spec, places), "-n", str(len(places)), *env, *command]
 
 
 def run(command: list[str], n: int, prefix: str = DEFAULT_PREFIX, per_host: int | None = None,
         announce=print) -> int:
     """Run `command` on n ranks of the cluster; its exit code, or 1 when a host's link
     went down during the run (after one line through `announce`)."""
+    spec = require(prefix)
+    code, lost = run_job(spec, command, placement(spec, n, per_host))
+    if lost:
+        announce(f"error: host {lost[0]} ({spec.hostname(lost[0])}) lost its link to the other hosts; ended the job")
+    return code
+
+
+def run_job(spec: ClusterSpec, command: list[str], places: list[tuple[int, int]],
+            quiet_launcher: bool = False) -> tuple[int, list[int]]:
+    """Run `command` with a rank at each of `places`, watching the links of their hosts:
+    (exit code, the hosts whose link went down; the job was ended then, code 1).
+    quiet_launcher: leave out the lines Hydra itself prints when a rank dies (its
+    banner and a trace of its internal asserts), for a caller that says it in one line."""
     if not command:
         raise ClusterError("nothing to run: give the command after --")
-    spec = require(prefix)
-    places = placement(spec, n, per_host)
     hosts = sorted({host for host, _ in places})
     down = [h for h in hosts if not host_link_is_up(spec, h)]
     if down:
         raise ClusterError(f"host {down[0]} ({spec.hostname(down[0])}) has no link; run `down`, then `up`")
-    job = subprocess.Popen(mpiexec_command(spec, command, n, per_host), start_new_session=True)
+    pipe = subprocess.PIPE if quiet_launcher else None
+    job = subprocess.Popen(mpiexec_command(spec, command, places), start_new_session=True, stdout=pipe, stderr=pipe)
+    copiers = [threading.Thread(target=_copy_without_launcher, args=(source, sink), daemon=True)
+               for source, sink in ((job.stdout, sys.stdout), (job.stderr, sys.stderr)) if source]
+    for copier in copiers:
+        copier.start()
     try:
         while True:
             try:
-                return job.wait(timeout=WATCH_INTERVAL_S)
+                return job.wait(timeout=WATCH_INTERVAL_S), []
             except subprocess.TimeoutExpired:
                 pass
             lost = [h for h in hosts if not host_link_is_up(spec, h)]
             if lost:
-                announce(f"error: host {lost[0]} ({spec.hostname(lost[0])}) lost its link to the other hosts; "
-                         f"ended the job")
                 _end(job, spec, hosts)
-                return 1
+                return 1, lost
     except KeyboardInterrupt:
         _end(job, spec, hosts)
-        return 130
+        return 130, []
+    finally:
+        for copier in copiers:
+            copier.join()
+
+
+def _copy_without_launcher(source, sink) -> None:
+    for line in iter(source.readline, b""):
+        if not LAUNCHER_LINE.match(line):
+            sink.buffer.write(line)
+            sink.flush()
 
 
 def _end(job: subprocess.Popen, spec: ClusterSpec, hosts: list[int]) -> None:
