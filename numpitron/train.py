@@ -38,7 +38,7 @@ def prepare_data_on_ranks(topo, data_dir: Path, input_path=None) -> dict:
 def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=False,
           progress=True, input_path=None, overwrite=False, run_config: str | None = None) -> dict:
     """run_config: the resolved flags as TOML, written to OUT_DIR/config.toml once the
-    directory is claimed. The progress is a bar on a terminal, else a line per log interval."""
+    directory is claimed and any checkpoint resumed. The progress is a bar on a terminal, else a line per log interval."""
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     paths = prepare_data_on_ranks(topo, data_dir, input_path)
     tokenizer, splits = on_every_rank(topo.world, lambda: load_prepared(paths, model_cfg.seq_len))
@@ -46,10 +46,6 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
     check_eval_iters(train_cfg, train_cfg.global_batch(topo.dp), model_cfg.seq_len, splits)
     on_every_rank(topo.world, lambda: check_fits(model_cfg, parallel_cfg, train_cfg, topo))
     lock = claim_on_every_rank(topo, out_dir, resume, overwrite)         # held until the run ends
-    if run_config is not None and topo.rank == 0:
-        note = write_run_config(out_dir, run_config)
-        if note:
-            print(note, flush=True)
     trainer = Trainer(model_cfg, parallel_cfg, train_cfg, topo)
     ckpt_root = out_dir / "checkpoints"
     best_ckpt = None
@@ -59,6 +55,11 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
                 lock.release()
             return {"iterations": trainer.iteration, "trained": 0, "trainer": trainer}
         best_ckpt = best_checkpoint(ckpt_root)
+    # Only a run that will train leaves its configuration: a refused resume changes no file.
+    if run_config is not None and topo.rank == 0:
+        note = write_run_config(out_dir, run_config)
+        if note:
+            print(note, flush=True)
 
     def save(reason: str, protect):
         extra = {"saved_for": reason, "tokenizer": tokenizer.to_dict()}
