@@ -2,13 +2,17 @@
 
     python benchmarks/experts.py throughput              # tokens/s and all-to-all share, 2 and 4 ranks
     python benchmarks/experts.py routing out/metrics.jsonl   # the routing figure from a training run
+    python benchmarks/experts.py balance AUX/metrics.jsonl BIAS/metrics.jsonl   # aux loss against bias
 
 `throughput` runs benchmarks/benchmark.py (the default model, random tokens) for the
 dense model and for E = 4 and 8 experts with top-1 routing (the same active parameters
 per token as the dense model), each on 2 and 4 ranks with the experts split over all
 of them (ep = dp), and prints one JSON line per run and a table. `routing` draws the
 assignments per expert of every MoE block at each logged iteration, and the dropped
-share, into docs/figures/routing.svg (matplotlib).
+share, into docs/figures/routing.svg (matplotlib). `balance` takes two runs that differ
+only in --moe-load-balancing (aux-loss, then bias) and prints the balance, max load /
+mean load over the experts of each MoE block, as medians over the first and the last
+third of the iterations, and draws it into docs/figures/balance.svg.
 """
 
 import argparse
@@ -78,6 +82,44 @@ def routing(metrics: Path) -> None:
                       "mean_dropped_fraction": float(np.mean([r["moe_dropped_fraction"] for r in rows]))}))
 
 
+def max_over_mean(rows) -> "np.ndarray":
+    """(iterations, blocks): the busiest expert's assignments over the mean."""
+    import numpy as np
+    counts = np.array([r["moe_tokens_per_expert"] for r in rows], float)
+    return counts.max(axis=2) / counts.mean(axis=2)
+
+
+def balance(aux: Path, bias: Path) -> None:
+    import numpy as np
+    curves = {}
+    for name, metrics in (("aux loss", aux), ("bias", bias)):
+        rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if "moe_tokens_per_expert" in r]
+        ratio = max_over_mean(rows)
+        third = len(rows) // 3
+        print(json.dumps({"balancing": name, "iterations": len(rows),
+                          "max_over_mean_first_third": float(np.median(ratio[:third])),
+                          "max_over_mean_last_third": float(np.median(ratio[-third:])),
+                          "final_train_loss": rows[-1]["train_loss"] - rows[-1].get("moe_aux_loss", 0.0)}))
+        curves[name] = ([r["iter"] for r in rows], ratio.mean(axis=1))
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no figure", file=sys.stderr)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5, 2.8))
+    for name, (iters, ratio) in curves.items():
+        ax.plot(iters, ratio, label=name, linewidth=0.8)
+    ax.axhline(1.0, color="gray", linewidth=0.5)
+    ax.set_xlabel("iteration", fontsize=8)
+    ax.set_ylabel("max load / mean load", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(REPO / "docs" / "figures" / "balance.svg", bbox_inches="tight")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -85,8 +127,16 @@ def main():
     t.add_argument("--iters", type=int, default=20)
     r = sub.add_parser("routing")
     r.add_argument("metrics", type=Path)
+    b = sub.add_parser("balance")
+    b.add_argument("aux", type=Path)
+    b.add_argument("bias", type=Path)
     args = p.parse_args()
-    throughput(args.iters) if args.what == "throughput" else routing(args.metrics)
+    if args.what == "throughput":
+        throughput(args.iters)
+    elif args.what == "routing":
+        routing(args.metrics)
+    else:
+        balance(args.aux, args.bias)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ import argparse
 import math
 
 from numpitron.config import CONTEXT_PARALLEL_TYPES
-from numpitron.config import DTYPES, RECOMPUTE, SCHEDULES, ZERO_STAGES, ModelConfig, ParallelConfig, TrainConfig, check_layout
+from numpitron.config import DTYPES, LOAD_BALANCING, RECOMPUTE, SCHEDULES, ZERO_STAGES, ModelConfig, ParallelConfig, TrainConfig, check_layout
 from numpitron.distributed.watchdog import DEFAULT_TIMEOUT_S
 from numpitron.errors import UserError
 
@@ -102,7 +102,15 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-capacity-factor", type=float, default=m.moe_capacity_factor,
                    help="an expert takes at most ceil(c k T / E) of a sequence's tokens; 0: dropless")
     g.add_argument("--moe-aux-loss-coef", type=float, default=m.moe_aux_loss_coef,
-                   help="weight of the load-balancing loss (Switch's alpha)")
+                   help="weight of the load-balancing loss (Switch's alpha; unused with --moe-load-balancing bias)")
+    g.add_argument("--moe-load-balancing", choices=LOAD_BALANCING, default=m.moe_load_balancing,
+                   help="aux-loss: Switch's loss; bias: a per-expert routing bias nudged after each step")
+    g.add_argument("--moe-bias-update-rate", type=float, default=m.moe_bias_update_rate,
+                   help="with --moe-load-balancing bias: the bias moves by u * sign(mean load - load) per step")
+    g.add_argument("--moe-shared-experts", type=int, default=m.moe_shared_experts,
+                   help="dense experts every token passes beside its routed ones (DeepSeekMoE)")
+    g.add_argument("--moe-expert-hidden", type=int, default=m.moe_expert_hidden,
+                   help="hidden width of each expert (0: 4 * d-model); smaller for finer-grained experts")
 
 
 def add_training_flags(p: argparse.ArgumentParser) -> None:
@@ -146,7 +154,10 @@ def configs_from_args(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
                         d_model=args.d_model, dtype=args.dtype, num_experts=args.num_experts,
                         moe_top_k=args.moe_top_k, moe_every=args.moe_every,
                         moe_capacity_factor=args.moe_capacity_factor,
-                        moe_aux_loss_coef=args.moe_aux_loss_coef).validate()
+                        moe_aux_loss_coef=args.moe_aux_loss_coef, moe_load_balancing=args.moe_load_balancing,
+                        moe_bias_update_rate=args.moe_bias_update_rate,
+                        moe_shared_experts=args.moe_shared_experts,
+                        moe_expert_hidden=args.moe_expert_hidden).validate()
     parallel = ParallelConfig(schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages,
                               zero_stage=args.zero_stage,
                               bucket_size=args.bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,

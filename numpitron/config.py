@@ -22,6 +22,7 @@ SPLIT_BACKWARD = (ZERO_BUBBLE, ZB_V, DUALPIPE_V)
 # virtual stage on pp rank 0.
 V_SHAPED = (ZB_V, DUALPIPE_V)
 RECOMPUTE = ("none", "selective", "full")
+LOAD_BALANCING = ("aux-loss", "bias")                          # docs/14-experts.md
 CONTEXT_PARALLEL_TYPES = ("ring", "ulysses", "hybrid")         # docs/13-context-parallelism.md
 
 
@@ -39,6 +40,10 @@ class ModelConfig:
     moe_every: int = 1               # block i is MoE when i % moe_every == 0
     moe_capacity_factor: float = 0.0 # 0: dropless
     moe_aux_loss_coef: float = 0.01  # Switch's alpha
+    moe_load_balancing: str = "aux-loss"  # or "bias": aux-loss-free (DeepSeek-V3 §2.1.2)
+    moe_bias_update_rate: float = 0.001   # the bias's step u per iteration
+    moe_shared_experts: int = 0      # dense experts every token passes (DeepSeekMoE)
+    moe_expert_hidden: int = 0       # each expert's hidden width; 0: 4 * d_model
 
     @property
     def head_dim(self) -> int:
@@ -52,6 +57,11 @@ class ModelConfig:
     def is_moe_block(self, index: int) -> bool:
         return self.num_experts > 0 and index % self.moe_every == 0
 
+    @property
+    def expert_hidden(self) -> int:
+        """The hidden width of every expert, routed or shared."""
+        return self.moe_expert_hidden or 4 * self.d_model
+
     def validate(self, label=None) -> "ModelConfig":
         """label(field) names a field in messages: its flag by default; a config read
         from a file names its fields as the file does."""
@@ -62,9 +72,14 @@ class ModelConfig:
             raise UserError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise UserError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        _integers(self, "num_experts", "moe_top_k", "moe_every", label=label)
-        _finite(self, "moe_capacity_factor", "moe_aux_loss_coef", label=label)
-        _non_negative(self, "num_experts", "moe_capacity_factor", "moe_aux_loss_coef", label=label)
+        _integers(self, "num_experts", "moe_top_k", "moe_every", "moe_shared_experts", "moe_expert_hidden",
+                  label=label)
+        _finite(self, "moe_capacity_factor", "moe_aux_loss_coef", "moe_bias_update_rate", label=label)
+        _non_negative(self, "num_experts", "moe_capacity_factor", "moe_aux_loss_coef", "moe_bias_update_rate",
+                      "moe_shared_experts", "moe_expert_hidden", label=label)
+        if self.moe_load_balancing not in LOAD_BALANCING:
+            raise UserError(f"unknown {label('moe_load_balancing')} {self.moe_load_balancing!r}; choose one of "
+                            f"{', '.join(LOAD_BALANCING)}")
         _positive(self, "moe_top_k", "moe_every", label=label)
         if self.num_experts and self.moe_top_k > self.num_experts:
             raise UserError(f"{label('moe_top_k')} ({self.moe_top_k}) must not exceed {label('num_experts')} "
@@ -166,6 +181,9 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
     if (4 * model.d_model) % tensor:
         raise UserError(f"the MLP width 4*d_model ({4 * model.d_model}) must be divisible by the "
                         f"tensor-parallel size ({tensor})")
+    if model.num_experts and model.expert_hidden % tensor:
+        raise UserError(f"--moe-expert-hidden ({model.expert_hidden}) must be divisible by the tensor-parallel "
+                        f"size ({tensor})")
     if model.n_layers % pipeline:
         raise UserError(f"n_layers ({model.n_layers}) must be divisible by the pipeline-parallel size ({pipeline})")
     if parallel is not None and parallel.v_shaped:

@@ -59,6 +59,9 @@ class GPTStage(Layer):
         self.first = self.placement.rank_of(0) == topo.pp_rank
         self.last = self.placement.rank_of(self.placement.stages - 1) == topo.pp_rank
         self.routing_log = RoutingLog(model_cfg.n_layers, model_cfg.num_experts)
+        # Aux-loss-free balancing's bias (nn/router.py): every block's, on every rank,
+        # moved by the trainer after each step; saved in the checkpoint's manifest.
+        self.routing_bias = np.zeros((model_cfg.n_layers, model_cfg.num_experts))
         self._build_embeddings_and_head()
         self._build_chunks(recompute)
         # Every parameter once, in forward order (the tied copy heads the list).
@@ -127,9 +130,11 @@ class GPTStage(Layer):
         c = self.model_cfg
         if not c.is_moe_block(block):
             return None
+        bias = c.moe_load_balancing == "bias"
         return dict(num_experts=c.num_experts, top_k=c.moe_top_k, capacity_factor=c.moe_capacity_factor,
-                    aux_loss_coef=c.moe_aux_loss_coef, loss_weight=self.loss_weight, block=block,
-                    log=self.routing_log)
+                    aux_loss_coef=0.0 if bias else c.moe_aux_loss_coef, loss_weight=self.loss_weight, block=block,
+                    log=self.routing_log, balance_bias=self.routing_bias[block] if bias else None,
+                    shared_experts=c.moe_shared_experts, expert_hidden=c.moe_expert_hidden, region=self.region)
 
     def holds_embeddings(self, chunk: int) -> bool:
         """Whether `chunk` is virtual stage 0: it starts with the embeddings."""

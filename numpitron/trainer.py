@@ -21,6 +21,7 @@ from numpitron.distributed.agree import on_every_rank
 from numpitron.distributed.zigzag import local_positions
 from numpitron.distributed.sharding import shard_bounds
 from numpitron.model import GPTStage
+from numpitron.nn.router import update_balance_bias
 from numpitron.optim.distributed import step_together
 from numpitron.optim.schedule import learning_rate
 from numpitron.parallel.optimizer import make_optimizers
@@ -81,6 +82,9 @@ class Trainer:
         if self.model_cfg.num_experts:
             out.update(self.routing_metrics())
             out["train_loss"] += out["moe_aux_loss"]
+            if self.model_cfg.moe_load_balancing == "bias":      # from this step's global load
+                update_balance_bias(self.model.routing_bias, self.model.routing_log.tokens,
+                                    self.model_cfg.moe_bias_update_rate)
         return out
 
     def grads_ready(self, params) -> None:
@@ -90,18 +94,23 @@ class Trainer:
     def routing_metrics(self) -> dict:
         """The iteration's routing, summed over every rank's micro-batches (each stage
         knows its own blocks): the aux loss as it enters the objective (mean over
-        micro-batches, summed over blocks), the dropped share of assignments, and the
-        assignments each expert of each MoE block was chosen for."""
+        micro-batches, summed over blocks), the dropped share of assignments, the
+        assignments each expert of each MoE block was chosen for, and each block's
+        balance: its busiest expert's load over the mean load. After the reduction the
+        counts are the global ones on every rank: each stage's blocks summed over pp,
+        every rank that routes over dp and cp (ep lies inside dp; tp ranks route alike)."""
         log, topo, c = self.model.routing_log, self.topo, self.model_cfg
         buf = log.vector()
         topo.dp_cp_comm.all_reduce(buf)
         topo.pp_comm.all_reduce(buf)
         log.from_vector(buf)
         moe_blocks = [i for i in range(c.n_layers) if c.is_moe_block(i)]
-        assigned = log.tokens[moe_blocks].sum()
+        load = log.tokens[moe_blocks]
+        assigned = load.sum()
         return {"moe_aux_loss": float(log.aux_loss.sum()) / (self.num_microbatches * topo.dp_cp),
                 "moe_dropped_fraction": float(log.dropped.sum() / assigned),
-                "moe_tokens_per_expert": log.tokens[moe_blocks].astype(int).tolist()}
+                "moe_tokens_per_expert": load.astype(int).tolist(),
+                "moe_max_over_mean_load": (load.max(axis=1) / load.mean(axis=1)).tolist()}
 
     def mean_loss(self, losses) -> float:
         """Average the micro-batch losses of the stage holding the head over dp and cp

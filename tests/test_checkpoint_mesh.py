@@ -15,7 +15,7 @@ from numpitron.distributed.gather import gather_full
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
 from numpitron.trainer import Trainer
-from tests.harness import SMALLER, train_steps, make_trainer, tiny_model, whole_buffers
+from tests.harness import SMALLER, make_trainer, rewrite_manifest, tiny_model, train_steps, whole_buffers
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
 MODEL = tiny_model(**SMALLER)
@@ -170,3 +170,28 @@ def test_checkpoints_move_between_schedules_and_virtual_stage_counts(shared_dir)
         path = save_checkpoint(shared_dir / str(step), trainer)
         names = set(read_manifest(path)["tensors"])
         assert {f"blocks.{i}.attn.qkv.weight" for i in range(4)} <= names
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_expert_routing_bias_resumes_on_another_mesh(shared_dir):
+    """Aux-loss-free balancing's bias is saved whole in the manifest: trained on
+    dp = ep = 2, resumed on pp = 2 (each stage routing its own block), the run goes on
+    as one uninterrupted serial run; a corrupt bias is one line and changes nothing."""
+    model_cfg = tiny_model(**SMALLER, num_experts=4, moe_top_k=2, moe_load_balancing="bias", moe_bias_update_rate=0.01)
+    expected = train_steps(make_trainer(model_cfg, train_cfg(), Topology.serial()), 6, TOKENS)
+    source = make_trainer(model_cfg, train_cfg(), data=2, expert=2)
+    assert rel_diff(train_steps(source, 3, TOKENS), expected[:3]) <= EQUIV_RTOL_FLOAT64
+    path = save_checkpoint(shared_dir / "bias", source)
+    saved = np.array(read_manifest(path)["moe_routing_bias"])
+    assert np.array_equal(saved, source.model.routing_bias) and np.any(saved)
+    resumed = make_trainer(model_cfg, train_cfg(), pipeline=2)
+    load_checkpoint(path, resumed)
+    assert np.array_equal(resumed.model.routing_bias, saved)
+    assert rel_diff(train_steps(resumed, 3, TOKENS), expected[3:]) <= EQUIV_RTOL_FLOAT64
+    if MPI.COMM_WORLD.rank == 0:
+        rewrite_manifest(path, lambda manifest: manifest.update(moe_routing_bias=[[0.0, 1.0]]))
+    MPI.COMM_WORLD.barrier()
+    fresh = make_trainer(model_cfg, train_cfg(), pipeline=2)
+    with pytest.raises(UserError, match="moe_routing_bias is not 2 x 4 finite numbers"):
+        load_checkpoint(path, fresh)
+    assert fresh.iteration == 0 and not np.any(fresh.model.routing_bias)

@@ -8,8 +8,10 @@ import signal
 import subprocess
 import time
 
+import numpy as np
 import pytest
 
+from numpitron.checkpoint import latest_checkpoint, read_manifest
 from tests.conftest import REPO
 from tests.harness import PYTHON, TINY_FLAGS, error_lines, logged_losses, run_script, train_script
 
@@ -34,6 +36,8 @@ def test_abort_on_one_rank_ends_every_rank_quickly():
     (["--input", "/nonexistent/tinyshakespeare.txt", "--data-dir", "/tmp/numpitron-no-such-dir"], "/nonexistent"),
     (["--virtual-stages", "2"], "--pipeline-schedule interleaved and --virtual-stages 2 or more go together"),
     (["--pipeline-schedule", "interleaved", "--virtual-stages", "2"], "it needs --pipeline-parallel-size 2 or more"),
+    (["--num-experts", "4", "--moe-load-balancing", "none"], "invalid choice: 'none'"),
+    (["--num-experts", "4", "--moe-shared-experts", "-1"], "--moe-shared-experts must not be negative"),
 ])
 def test_bad_input_is_one_line_and_nonzero(args, message):
     result = run_script(args + ["--max-iters", "1", "--no-progress"])
@@ -130,3 +134,18 @@ def losses_if_any(out_dir):
         return logged_losses(out_dir)
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
+
+
+def test_moe_recipe_flags_reach_the_model(data_dir, tmp_path):
+    """Bias balancing, a shared expert and narrow routed experts from the command line:
+    the metrics log the balance, the checkpoint keeps the flags and the moved bias."""
+    flags = ["--num-experts", "4", "--moe-load-balancing", "bias", "--moe-bias-update-rate", "0.01",
+             "--moe-shared-experts", "1", "--moe-expert-hidden", "64"]
+    result = train_script(data_dir, tmp_path, "--max-iters", "2", *flags)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(len(r["moe_max_over_mean_load"]) == 2 and min(r["moe_max_over_mean_load"]) >= 1 for r in rows)
+    manifest = read_manifest(latest_checkpoint(tmp_path / "checkpoints"))
+    saved = manifest["model_config"]
+    assert (saved["moe_load_balancing"], saved["moe_shared_experts"], saved["moe_expert_hidden"]) == ("bias", 1, 64)
+    assert np.any(manifest["moe_routing_bias"])

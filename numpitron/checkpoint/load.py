@@ -11,6 +11,8 @@ import math
 from dataclasses import fields
 from pathlib import Path
 
+import numpy as np
+
 from numpitron.checkpoint.manifest import LATEST_NAME, is_complete, iter_dirs, iteration_of, read_manifest
 from numpitron.checkpoint.sharded import ShardedReader, cut_range
 from numpitron.config import ModelConfig
@@ -82,6 +84,7 @@ def _load_training_state(path: Path, trainer) -> dict:
             raise UserError(f"corrupt checkpoint manifest in {path}: {key} is {manifest[key]!r}")
     reader = open_reader(path, manifest)
     model = trainer.model
+    bias = saved_routing_bias(manifest, model, path)
     # Everything is read into fresh buffers first: a failure leaves the trainer untouched.
     # Each store (the dense parameters, the experts: asked for by global index, whatever
     # ep) gets the ranges its optimizer keeps.
@@ -90,6 +93,7 @@ def _load_training_state(path: Path, trainer) -> dict:
               for store, optimizer in zip(model.stores, trainer.optimizers)]
     for optimizer, values in zip(trainer.optimizers, wanted):
         optimizer.state.load(lambda buffer, lo, hi, values=values: values[buffer, lo, hi], manifest["adam_step"])
+    model.routing_bias[...] = bias
     trainer.iteration = manifest["iteration"]
     best = manifest.get("best_val_loss")
     trainer.best_val_loss = math.inf if best is None else float(best)
@@ -102,6 +106,27 @@ def _load_weights(path: Path, model, expected_model_cfg) -> dict:
         check_model_config(manifest, expected_model_cfg)
     reader = open_reader(path, manifest)
     flats = [cut_range(store, 0, store.size, reader.getter("params", store.dtype)) for store in model.stores]
+    bias = saved_routing_bias(manifest, model, path)
     for store, flat in zip(model.stores, flats):
         store.data[...] = flat
+    model.routing_bias[...] = bias
     return manifest
+
+
+def saved_routing_bias(manifest: dict, model, path: Path) -> np.ndarray:
+    """The routers' balancing bias (nn/router.py) for `model`, the same on any mesh,
+    checked; a checkpoint from before it was saved has none (zeros: what an aux-loss
+    run's bias is)."""
+    saved = manifest.get("moe_routing_bias")
+    if saved is None:
+        if model.model_cfg.moe_load_balancing == "bias" and model.model_cfg.num_experts:
+            raise UserError(f"corrupt checkpoint manifest in {path}: moe_routing_bias is missing")
+        return np.zeros_like(model.routing_bias)
+    try:
+        bias = np.array(saved, dtype=np.float64)
+    except (TypeError, ValueError):
+        bias = None
+    if bias is None or bias.shape != model.routing_bias.shape or not np.all(np.isfinite(bias)):
+        raise UserError(f"corrupt checkpoint manifest in {path}: moe_routing_bias is not "
+                        f"{model.routing_bias.shape[0]} x {model.routing_bias.shape[1]} finite numbers")
+    return bias

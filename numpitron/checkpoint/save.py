@@ -122,6 +122,9 @@ def checkpoint_fields(trainer) -> dict:
         "seed": seed,
         # Batches are a pure function of (seed, iteration): no generator state to save.
         "data_state": {"sampler": "seeded-per-iteration", "seed": seed, "next_iteration": int(trainer.iteration)},
+        # Aux-loss-free balancing's bias: no optimizer state, the same on every rank and
+        # for any mesh, small (n_layers x E): stored here whole (JSON floats round-trip).
+        "moe_routing_bias": trainer.model.routing_bias.tolist(),
     }
 
 

@@ -1,6 +1,6 @@
-"""This rank's experts: each is the dense GELU MLP (nn/mlp.py, the same class),
-column-parallel then row-parallel over tp, run one after another on the tokens
-routed to it.
+"""This rank's experts: each is the dense GELU MLP (nn/mlp.py, the same class, of
+its own hidden width), column-parallel then row-parallel over tp, run one after
+another on the contiguous rows routed to it: grouped compute, no padding.
 
 Input: every token that chose one of the local experts, whole on every tp rank (the
 router is replicated, so every tp rank routes alike), grouped expert by expert
@@ -23,12 +23,13 @@ from numpitron.nn.regions import DeferredSumRegion
 
 
 class LocalExperts(Layer):
-    def __init__(self, name: str, d_model: int, experts: range, topo, out_std: float):
-        """experts: the global indices of the experts this rank holds."""
+    def __init__(self, name: str, d_model: int, experts: range, topo, out_std: float, hidden: int = 0):
+        """experts: the global indices of the experts this rank holds; hidden: each
+        one's hidden width (4C unless given: finer-grained experts are narrower)."""
         self.tp = topo.tp_comm
         region = DeferredSumRegion(topo.tp_comm)       # "f" and "g" are done below, once for all
-        self.mlps = [ParallelMLP(f"{name}.{e}", d_model, topo, out_std, region=region, add_proj_bias=False)
-                     for e in experts]
+        self.mlps = [ParallelMLP(f"{name}.{e}", d_model, topo, out_std, region=region, add_proj_bias=False,
+                                 hidden=hidden) for e in experts]
 
     def parameters(self):
         return [p for mlp in self.mlps for p in mlp.parameters()]

@@ -57,7 +57,7 @@ class ColumnParallelLinear(Layer):
 
     def start_backward_input(self, dy, cache):
         cache["dy"] = dy
-        dx = (rows(dy) @ self._w().T).reshape(dy.shape[:-1] + (-1,))    # this rank's share of dL/dx
+        dx = (rows(dy) @ self._w().T).reshape(dy.shape[:-1] + (self.weight.data.shape[0],))  # this rank's share
         # Megatron's "f" (all-reduce) or reduce-scatter, perhaps still running when
         # backward_weights starts: nothing there reads dx.
         return self.region.start_input_grad(dx)

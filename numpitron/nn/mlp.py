@@ -14,10 +14,13 @@ from numpitron.nn.linear import ColumnParallelLinear, RowParallelLinear
 
 
 class ParallelMLP(Layer):
-    def __init__(self, name: str, d_model: int, topo, out_std: float, region=None, add_proj_bias: bool = True):
-        """add_proj_bias=False: the caller adds proj's bias after its own sum over tp."""
-        self.fc = ColumnParallelLinear(f"{name}.fc", d_model, 4 * d_model, topo, region=region, add_bias=False)
-        self.proj = RowParallelLinear(f"{name}.proj", 4 * d_model, d_model, topo, std=out_std, region=region,
+    def __init__(self, name: str, d_model: int, topo, out_std: float, region=None, add_proj_bias: bool = True,
+                 hidden: int = 0):
+        """add_proj_bias=False: the caller adds proj's bias after its own sum over tp.
+        hidden: the width of the hidden layer, 4C unless given (experts choose theirs)."""
+        hidden = hidden or 4 * d_model
+        self.fc = ColumnParallelLinear(f"{name}.fc", d_model, hidden, topo, region=region, add_bias=False)
+        self.proj = RowParallelLinear(f"{name}.proj", hidden, d_model, topo, std=out_std, region=region,
                                       add_bias=add_proj_bias)
 
     def parameters(self):

@@ -7,6 +7,11 @@ gate-weighted sum of their outputs.
     experts    each local expert's MLP on its rows (nn/experts.py; tp inside)
     combine    all-to-all back; y[t] = sum over t's kept choices j of gate[t, j] * out[t, j]
 
+Shared experts (DeepSeekMoE, Dai et al. 2024, eq. 9): N dense experts every token
+passes beside its routed ones, y += shared(x). They are one tensor-parallel MLP of
+N times the experts' hidden width (N MLPs side by side are one MLP N times as wide,
+their output biases one bias), replicated over dp like any dense layer.
+
 A dropped choice adds nothing to y: if all of a token's choices are dropped, y[t] = 0
 and the block's residual carries the token on unchanged. With ep = 1 the all-to-alls
 are copies and this is the whole computation of one process.
@@ -21,6 +26,7 @@ import numpy as np
 from numpitron.distributed.sharding import shard_bounds
 from numpitron.nn.experts import LocalExperts
 from numpitron.nn.layer import Layer, rows
+from numpitron.nn.mlp import ParallelMLP
 from numpitron.nn.router import TopKRouter
 from numpitron.nn.token_dispatch import AllToAllDispatcher
 
@@ -56,16 +62,24 @@ class RoutingLog:
 class MixtureOfExperts(Layer):
     def __init__(self, name: str, d_model: int, topo, out_std: float, num_experts: int, top_k: int,
                  capacity_factor: float, aux_loss_coef: float, loss_weight: float = 1.0,
-                 block: int = 0, log: RoutingLog | None = None):
+                 block: int = 0, log: RoutingLog | None = None, balance_bias: np.ndarray | None = None,
+                 shared_experts: int = 0, expert_hidden: int = 0, region=None):
+        """balance_bias: the router's (E,) bias (nn/router.py), None with the aux loss;
+        expert_hidden: every expert's hidden width (0: 4C); region: the shared experts'
+        tp region (the dense MLP's)."""
         self.router = TopKRouter(f"{name}.router", d_model, num_experts, top_k, capacity_factor, aux_loss_coef,
-                                 loss_weight)
+                                 loss_weight, balance_bias)
         mine = range(*shard_bounds(num_experts, topo.ep, topo.ep_rank))
-        self.experts = LocalExperts(f"{name}.experts", d_model, mine, topo, out_std)
+        self.experts = LocalExperts(f"{name}.experts", d_model, mine, topo, out_std, expert_hidden)
+        hidden = expert_hidden or 4 * d_model
+        self.shared = ParallelMLP(f"{name}.shared", d_model, topo, out_std, region, hidden=shared_experts * hidden) \
+            if shared_experts else None
         self.dispatcher = AllToAllDispatcher(topo.ep_comm, num_experts)
         self.E, self.k, self.block, self.log = num_experts, top_k, block, log
 
     def parameters(self):
-        return self.router.parameters() + self.experts.parameters()
+        shared = self.shared.parameters() if self.shared else []
+        return self.router.parameters() + shared + self.experts.parameters()
 
     def forward(self, x):
         # x: (B, T, C), whole on every tp rank -> (B, T, C)
@@ -86,7 +100,11 @@ class MixtureOfExperts(Layer):
             y[token[at]] += gate[at, None] * out[at]
         cache = {"routing": routing, "router": router_cache, "experts": experts_cache, "plan": plan,
                  "token": token, "slot": slot, "out": out}
-        return y.reshape(x.shape), cache
+        y = y.reshape(x.shape)
+        if self.shared:
+            shared_out, cache["shared"] = self.shared.forward(x)
+            y += shared_out
+        return y, cache
 
     def backward_input(self, dy, cache):
         token, slot, out, plan = cache["token"], cache["slot"], cache["out"], cache["plan"]
@@ -103,10 +121,14 @@ class MixtureOfExperts(Layer):
         for j in range(self.k):
             at = slot == j
             dx_rows[token[at]] += d_in[at]
+        if self.shared:
+            dx += self.shared.backward_input(dy, cache["shared"])
         if self.log is not None:
             self.log.record(self.block, routing)
         return dx
 
     def backward_weights(self, cache):
+        if self.shared:
+            self.shared.backward_weights(cache["shared"])
         self.experts.backward_weights(cache["experts"])
         self.router.backward_weights(cache["router"])

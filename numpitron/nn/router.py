@@ -27,6 +27,16 @@ T tokens,
 
 which is alpha when the load is perfectly even. f is a count and has no gradient;
 d aux / d p[t, i] = alpha * E * f_i / (B * T) for token t of sequence b.
+
+Balancing without an auxiliary loss (Wang et al. 2024; DeepSeek-V3 §2.1.2, eq. 16):
+a per-expert bias b takes part in the choice only,
+
+    chosen = the k largest p + b,   gate = p[chosen]    (b never reaches a gate),
+
+so it steers tokens without changing what the chosen experts' outputs are weighted
+by, and it has no gradient. After each step every rank moves it by
+`update_balance_bias` from the step's global load: the same counts everywhere, so the
+same bias everywhere.
 """
 
 import math
@@ -59,10 +69,11 @@ class TopKRouter(Layer):
     weight the schedule gives each micro-batch's loss: the trainer's 1/m)."""
 
     def __init__(self, name: str, d_model: int, num_experts: int, top_k: int, capacity_factor: float,
-                 aux_loss_coef: float, loss_weight: float = 1.0):
+                 aux_loss_coef: float, loss_weight: float = 1.0, balance_bias: np.ndarray | None = None):
+        """balance_bias: (E,) the routing bias, moved in place between steps (None: none)."""
         self.weight = Param(f"{name}.weight", (d_model, num_experts))     # replicated over tp
         self.E, self.k, self.capacity_factor = num_experts, top_k, capacity_factor
-        self.aux_loss_coef, self.loss_weight = aux_loss_coef, loss_weight
+        self.aux_loss_coef, self.loss_weight, self.balance_bias = aux_loss_coef, loss_weight, balance_bias
 
     def parameters(self):
         return [self.weight]
@@ -73,7 +84,8 @@ class TopKRouter(Layer):
         logits = rows(x) @ self.weight.data                                   # (N, E)
         probs = np.exp(logits - logits.max(axis=1, keepdims=True))
         probs /= probs.sum(axis=1, keepdims=True)
-        chosen = np.argsort(-probs, axis=1, kind="stable")[:, :k]           # (N, k)
+        scores = probs if self.balance_bias is None else probs + self.balance_bias
+        chosen = np.argsort(-scores, axis=1, kind="stable")[:, :k]          # (N, k)
         gates = np.take_along_axis(probs, chosen, axis=1)
         # Each assignment's place in its expert's queue within its sequence, in token
         # order: a running count over the sequence's k*T assignments.
@@ -105,3 +117,11 @@ class TopKRouter(Layer):
 
     def backward_weights(self, cache):
         self.weight.grad += rows(cache["x"]).T @ cache["dlogits"]
+
+
+def update_balance_bias(bias: np.ndarray, load: np.ndarray, rate: float) -> None:
+    """DeepSeek-V3 §2.1.2: b_i += u * sign(mean load - load_i), in place. bias and
+    load: (..., E), the load being the step's assignments per expert summed over every
+    rank that routes (so every rank computes the same bias). An expert at exactly the
+    mean load, and a block without experts (no load at all), stays where it is."""
+    bias += rate * np.sign(load.mean(axis=-1, keepdims=True) - load)
