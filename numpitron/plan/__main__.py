@@ -19,6 +19,7 @@ from numpitron.cli import configs_from_args, training_parser
 from numpitron.config import check_layout
 from numpitron.distributed.topology import resolve_mesh
 from numpitron.errors import UserError
+from numpitron.plan.accounting import layer_elements, moe_block_elements
 from numpitron.plan.devices import load_device
 from numpitron.plan.predict import plan
 
@@ -69,25 +70,24 @@ def replace_args(args, tp, pp, cp):
 
 
 def parameter_counts(model, pp: int, virtual_stages: int = 1) -> dict:
-    """The model's size: `total` (the tied embedding once), `per_stage` (what each
-    pipeline rank holds: the first the embeddings, the last the final LayerNorm and,
-    with pp > 1, its copy of the tied embedding for the head), and `active_per_token`
-    (an MoE block runs its router and top-k of its E expert MLPs per token)."""
-    C, V, T, L = model.d_model, model.vocab_size, model.seq_len, model.n_layers
-    attention = 2 * C + (3 * C * C + 3 * C) + (C * C + C) + 2 * C         # ln1, qkv, proj, ln2
-    mlp = (C * 4 * C + 4 * C) + (4 * C * C + C)                          # fc, proj
+    """The model's size, counted from the layers' own Params (plan/accounting.py):
+    `total` (the tied embedding once), `per_stage` (what each pipeline rank holds: the
+    first the embeddings, the last the final LayerNorm and, with pp > 1, its copy of the
+    tied embedding for the head), and `active_per_token` (an MoE block runs its router,
+    its shared experts and top-k of its E routed experts per token)."""
+    pieces = {piece: elements for piece, (elements, _) in layer_elements(model, 1).items()}
+    every, active = moe_block_elements(model) if model.num_experts else (0, 0)
 
-    def block(i: int, experts_used: int | None = None) -> int:
-        if not model.is_moe_block(i):
-            return attention + mlp
-        return attention + C * model.num_experts + (experts_used or model.num_experts) * mlp   # router: C x E
+    def block(i: int, used: bool = False) -> int:
+        return (active if used else every) if model.is_moe_block(i) else pieces["block"]
     chunks = pp * virtual_stages                     # rank r holds chunks r, r + pp, ... (interleaved 1F1B)
+    L = model.n_layers
     held = [[i for c in range(r, chunks, pp) for i in range(c * L // chunks, (c + 1) * L // chunks)] for r in range(pp)]
-    outer = V * C + T * C + 2 * C                    # embeddings, final LayerNorm
-    per_stage = [sum(map(block, blocks)) + (V * C + T * C) * (r == 0) + (2 * C + V * C * (pp > 1)) * (r == pp - 1)
-                 for r, blocks in enumerate(held)]
+    outer = pieces["token"] + pieces["position"] + pieces["head"]
+    per_stage = [sum(map(block, blocks)) + (pieces["token"] + pieces["position"]) * (r == 0)
+                 + (pieces["head"] + pieces["token"] * (pp > 1)) * (r == pp - 1) for r, blocks in enumerate(held)]
     return {"total": sum(map(block, range(L))) + outer, "per_stage": per_stage,
-            "active_per_token": sum(block(i, model.moe_top_k) for i in range(L)) + outer}
+            "active_per_token": sum(block(i, used=True) for i in range(L)) + outer}
 
 
 def size_line(counts: dict) -> str:

@@ -77,6 +77,20 @@ def layer_elements(model, tp: int) -> dict:
             for piece, layer in pieces.items()}
 
 
+@cache
+def moe_block_elements(model) -> tuple[int, int]:
+    """(every parameter, the ones one token uses) of an MoE block, counted from its
+    layers' Params on one rank (never allocated): attention, the router, every expert
+    and the shared experts; a token runs top-k of the E routed experts."""
+    topo = Topology(None, 1, 1, 1)
+    moe = dict(num_experts=model.num_experts, top_k=model.moe_top_k, capacity_factor=model.moe_capacity_factor,
+               aux_loss_coef=0.0, shared_experts=model.moe_shared_experts, expert_hidden=model.moe_expert_hidden)
+    block = Block("blocks.0", model.d_model, model.n_heads, model.n_layers, topo, moe=moe)
+    every = sum(math.prod(p.local_shape) for p in block.parameters())
+    one_expert = sum(math.prod(p.local_shape) for p in block.mlp.experts.mlps[0].parameters())
+    return every, every - (model.num_experts - model.moe_top_k) * one_expert
+
+
 def parameter_elements(model, rank: Rank) -> tuple[int, int]:
     """(elements of this rank's slice of its stage, of which tp-replicated): its blocks,
     the token embedding on the first and last stage (one copy each), the positions on
