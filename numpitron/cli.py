@@ -123,6 +123,12 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
         g.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     for name in ("lr", "min_lr", "weight_decay", "grad_clip", "beta1", "beta2"):
         g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    g.add_argument("--precision", default=d.precision,
+                   help="fp32, or bf16 / fp16 with fp32 master weights (docs/18-numbers.md)")
+    g.add_argument("--loss-scale", type=float, default=d.loss_scale,
+                   help="initial loss scale, a power of two (0: fp16 starts at 2^16, the others use none)")
+    g.add_argument("--loss-scale-window", type=int, default=d.loss_scale_window,
+                   help="fp16: clean steps before the loss scale doubles")
 
 
 def training_parser(description: str = "Train a GPT on Tiny Shakespeare on any mesh.") -> ArgumentParser:
@@ -169,7 +175,8 @@ def configs_from_args(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
                         **{k: getattr(args, k) for k in (
                             "max_iters", "eval_interval", "eval_iters", "warmup_iters", "lr_decay_iters",
                             "log_interval", "save_interval", "keep_checkpoints", "seed", "lr", "min_lr",
-                            "weight_decay", "grad_clip", "beta1", "beta2")}).validate()
+                            "weight_decay", "grad_clip", "beta1", "beta2", "precision", "loss_scale",
+                            "loss_scale_window")}).validate()
     return model, parallel, train
 
 

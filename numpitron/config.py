@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from numpitron.errors import UserError
+from numpitron.precision import check_precision
 
 DTYPES = ("float32", "float64")
 # The pipeline schedules' names, the one place they are spelled (parallel/schedules.py
@@ -151,6 +152,8 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
     checked identically on every rank before any communication. `mesh` is a Mesh
     (tp, pp, dp, cp, ep); the expert-parallel size may be left out (1)."""
     tensor, pipeline, data, context, *rest = mesh
+    if train is not None:
+        check_precision(train.precision, model.dtype, train.loss_scale, train.loss_scale_window)
     _check_experts(model, parallel, data, context, expert=rest[0] if rest else 1)
     if parallel is not None and parallel.sequence_parallel:
         if tensor == 1:
@@ -276,6 +279,10 @@ class TrainConfig:
     save_interval: int = 0              # 0: only on improvement and at the end
     keep_checkpoints: int = 2
     seed: int = 1337
+    # Mixed precision (docs/18-numbers.md): fp32, or bf16 / fp16 with fp32 master weights.
+    precision: str = "fp32"
+    loss_scale: float = 0.0             # the initial loss scale; 0: the format's (fp16 2^16, else 1)
+    loss_scale_window: int = 1000       # fp16: clean steps before the scale doubles
 
     def validate(self) -> "TrainConfig":
         _positive(self, "micro_batch_size", "max_iters", "eval_interval", "eval_iters", "log_interval", "keep_checkpoints")
@@ -288,6 +295,7 @@ class TrainConfig:
                 raise UserError(f"{name} must lie in [0, 1), got {getattr(self, name)}")
         if self.min_lr > self.lr:
             raise UserError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        check_precision(self.precision, "float32", self.loss_scale, self.loss_scale_window)
         return self
 
     def num_microbatches(self, data_parallel: int) -> int:

@@ -32,6 +32,7 @@ from numpitron.nn.param import ParamStore
 from numpitron.nn.recompute import Recomputed
 from numpitron.nn.residency import AlwaysResident
 from numpitron.nn.regions import make_region
+from numpitron.precision import FORMATS
 
 TOKEN_EMBEDDING = "embedding.token.weight"
 
@@ -69,6 +70,7 @@ class GPTStage(Layer):
         self._build_stores(params, seed)
         self.summed_in_finalize = self._summed_in_finalize(params)
         self.residency = AlwaysResident()       # ZeRO-3 installs its own (nn/residency.py)
+        self.precision = FORMATS["fp32"]        # the Trainer sets a mixed precision's format
 
     def _build_embeddings_and_head(self) -> None:
         """The token embedding on the first and the last stage (`tied`: the head's copy
@@ -174,10 +176,16 @@ class GPTStage(Layer):
             self.residency.before_forward(offset + i)
             x, layer_cache = layer.forward(x, **self._context(chunk, i, targets, kv))
             self.residency.after_forward(offset + i)
+            x = self._round(x)                  # the next layer keeps it in the low format
             caches.append(layer_cache)
         if kv is not None:
             kv.advance(inputs.shape[1])
         return x, caches
+
+    def _round(self, x):
+        """Activations and their gradients, as one layer hands them to the next, in the
+        low format of a mixed-precision run (the loss and fp32 runs: unchanged)."""
+        return self.precision.round(x) if isinstance(x, np.ndarray) and x.ndim > 0 else x
 
     def _context(self, chunk: int, i: int, targets, kv) -> dict:
         """What layer i of a chunk takes beside its input: the head the targets, the
@@ -198,7 +206,7 @@ class GPTStage(Layer):
         for i in reversed(range(len(self.chunks[chunk]))):
             layer = self.chunks[chunk][i]
             self.residency.before_backward(offset + i)
-            dout = layer.backward(dout, cache[i])
+            dout = self._round(layer.backward(dout, cache[i]))
             self.residency.after_backward(offset + i)
             self._report(layer, grads_ready)
         return dout
@@ -207,7 +215,7 @@ class GPTStage(Layer):
         """The input half over the chunk (B of a zero-bubble schedule): the gradient the
         previous virtual stage waits for. No weight gradient changes."""
         for layer, layer_cache in zip(reversed(self.chunks[chunk]), reversed(cache)):
-            dout = layer.backward_input(dout, layer_cache)
+            dout = self._round(layer.backward_input(dout, layer_cache))
         return dout
 
     def backward_weights(self, cache, grads_ready=None, chunk: int = 0):

@@ -23,8 +23,10 @@ from numpitron.distributed.sharding import shard_bounds
 from numpitron.model import GPTStage
 from numpitron.nn.router import update_balance_bias
 from numpitron.optim.distributed import step_together
+from numpitron.optim.master_weights import step_mixed
 from numpitron.optim.schedule import learning_rate
 from numpitron.parallel.optimizer import make_optimizers
+from numpitron.precision import FORMATS, LossScaler
 from numpitron.parallel.pipeline import check_backward_splits, forward_only, run_schedule
 
 
@@ -46,6 +48,11 @@ class Trainer:
         self.optimizers = make_optimizers(self.model, topo, train_cfg, parallel_cfg)
         self.optimizer = self.optimizers[0]
         self.model.residency = self.optimizer.residency(self.model)
+        # Mixed precision (docs/18-numbers.md): activations rounded between layers,
+        # gradients rounded, unscaled and checked by `step_mixed`.
+        self.precision = FORMATS[train_cfg.precision]
+        self.model.precision = self.precision
+        self.scaler = LossScaler(self.precision, train_cfg.loss_scale, train_cfg.loss_scale_window)
         self.iteration = 0          # number of completed optimizer steps
         self.best_val_loss = float("inf")
 
@@ -71,14 +78,18 @@ class Trainer:
             optimizer.zero_grad()
         self.model.routing_log.reset()
         batches = self.microbatches(train_tokens, "train", self.iteration)
+        mixed = self.precision.mixed
+        loss_weight = self.model.loss_weight * (self.scaler.scale if mixed else 1.0)
         losses, stats = run_schedule(self.model, self.topo, batches, self.parallel_cfg.schedule,
-                                     loss_weight=self.model.loss_weight, grads_ready=self.grads_ready)
+                                     loss_weight=loss_weight, grads_ready=self.grads_ready)
         self.model.finalize_grads(self.grads_ready)
         lr = self.lr(self.iteration)
-        grad_norm = step_together(self.optimizers, lr)
+        grad_norm = step_mixed(self.optimizers, lr, self.scaler) if mixed else step_together(self.optimizers, lr)
         self.iteration += 1
         self.last_pipeline_stats = stats
         out = {"train_loss": self.mean_loss(losses), "lr": lr, "grad_norm": grad_norm}
+        if mixed:
+            out.update(self.scaler.state())
         if self.model_cfg.num_experts:
             out.update(self.routing_metrics())
             out["train_loss"] += out["moe_aux_loss"]

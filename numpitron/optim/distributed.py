@@ -32,6 +32,8 @@ import numpy as np
 from numpitron.distributed.comm import Comm
 from numpitron.nn.residency import AlwaysResident
 from numpitron.optim.adamw import AdamW
+from numpitron.optim.master_weights import MasterWeightAdam
+from numpitron.precision import FORMATS
 
 
 class GradientGroup(NamedTuple):
@@ -67,6 +69,12 @@ class DistributedOptimizer:
         self.lo, self.hi = lo, hi
         self.adam = AdamW(hi - lo, store.dtype, train_cfg.beta1, train_cfg.beta2,
                           train_cfg.eps, train_cfg.weight_decay)
+        # Mixed precision (docs/18-numbers.md): Adam moves an fp32 master copy of the
+        # slice; the stage's parameters, which the layers use, are rounded from here on.
+        self.precision = FORMATS[getattr(train_cfg, "precision", "fp32")]
+        if self.precision.mixed:
+            self.adam = MasterWeightAdam(self.adam, store.data[lo:hi], self.precision)
+            self.precision.round_(store.data)
         self.state = None           # a TrainingState, set by each implementation
 
     @property
@@ -78,6 +86,10 @@ class DistributedOptimizer:
     def kept_grads(self) -> list[np.ndarray]:
         """The gradient buffers this rank keeps between steps."""
         return [] if self.store.grad is None else [self.store.grad]
+
+    def reduced_grads(self) -> np.ndarray:
+        """After reduce_grads: the averaged gradients this rank's update reads."""
+        return self.store.grad
 
     def pass_peaks(self) -> tuple[int, int]:
         """Elements that exist only during a pass, at their peak: parameters gathered

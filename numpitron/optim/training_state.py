@@ -38,7 +38,12 @@ class TrainingState:
         self.lo, self.params, self.params_lo, self.after_load = lo, params, params_lo, after_load
 
     def _held(self, buffer: str) -> tuple[np.ndarray, int]:
-        """The values the optimizer keeps of `buffer`, and where they start in the layout."""
+        """The values the optimizer keeps of `buffer`, and where they start in the layout.
+        A mixed-precision run's parameters are its fp32 master weights (on the moments'
+        slice), never their low-format rounding: a checkpoint loads in any precision."""
+        master = getattr(self.adam, "master", None)
+        if buffer == "params" and master is not None:
+            return master, self.lo
         if buffer == "params":
             return self.params, self.params_lo
         return (self.adam.m if buffer == "adam_m" else self.adam.v), self.lo
@@ -59,8 +64,9 @@ class TrainingState:
         return values
 
     def load_ranges(self) -> list[tuple[str, int, int]]:
-        ranges = []
-        for buffer in FLAT_BUFFERS:
+        """The parameters over all this rank uses (a master copy lies within them)."""
+        ranges = [("params", self.params_lo, self.params_lo + self.params.size)]
+        for buffer in FLAT_BUFFERS[1:]:
             held, start = self._held(buffer)
             ranges.append((buffer, start, start + held.size))
         return ranges
@@ -70,6 +76,10 @@ class TrainingState:
         layout (zeros where it is padding)."""
         ranges = self.load_ranges()
         self.params[...] = read_range(*ranges[0])
+        master = getattr(self.adam, "master", None)
+        if master is not None:          # the saved values are the master; the layers use their rounding
+            master[...] = self.params[self.lo - self.params_lo:self.lo - self.params_lo + master.size]
+            self.adam.fmt.round_(self.params)
         self.adam.load_state(read_range(*ranges[1]), read_range(*ranges[2]), step_count)
         if self.after_load is not None:
             self.after_load()

@@ -91,6 +91,9 @@ class ZeroOneOptimizer(DistributedOptimizer):
         """The whole gradient buffer (freed between steps from stage 2 on) and the slice."""
         return super().kept_grads() + [self.owned.grads]
 
+    def reduced_grads(self) -> np.ndarray:
+        return self.owned.grads
+
     def reduce_grads(self) -> None:
         self.group.shard_comm.reduce_scatter(self.store.grad, self.owned.grads)    # 1.
         self.owned.average()

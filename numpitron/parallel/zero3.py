@@ -86,6 +86,9 @@ class ZeroThreeOptimizer(DistributedOptimizer):
     def kept_grads(self) -> list[np.ndarray]:
         return [self.owned.grads]
 
+    def reduced_grads(self) -> np.ndarray:
+        return self.owned.grads
+
     def pass_peaks(self) -> tuple[int, int]:
         return self.gatherer.peak_params, self.gatherer.peak_grads
 

@@ -1,0 +1,72 @@
+"""fp32 master weights for a mixed-precision run (Micikevicius et al. 2018, §3.1;
+docs/18-numbers.md): the optimizer updates an fp32 copy of the parameters it owns, with
+fp32 Adam moments, and the parameters the layers use are that copy rounded to the low
+format after every update. An update smaller than half a bf16 ulp of the weight (a
+relative 2^-9) would vanish if added to the bf16 weight itself; added to the master
+copy it accumulates until it shows.
+
+`MasterWeightAdam` has AdamW's interface, so every optimizer (ZeRO 0 to 3) keeps its
+update unchanged: it hands over the slice of the low-format parameters it owns, and the
+master copy of that slice is what Adam moves. `step_mixed` is `step_together` with the
+gradients rounded to the low format, unscaled, and checked for overflow.
+"""
+
+import math
+
+import numpy as np
+
+
+class MasterWeightAdam:
+    def __init__(self, adam, params: np.ndarray, fmt):
+        """params: the owned slice's values at the start (fp32), copied as the master."""
+        self.adam, self.fmt = adam, fmt
+        self.master = np.array(params, dtype=np.float32)
+
+    @property
+    def m(self):
+        return self.adam.m
+
+    @property
+    def v(self):
+        return self.adam.v
+
+    @property
+    def step_count(self) -> int:
+        return self.adam.step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self.adam.step_count = value
+
+    def load_state(self, m, v, step_count: int) -> None:
+        self.adam.load_state(m, v, step_count)
+
+    @property
+    def state_nbytes(self) -> int:
+        """Adam's two fp32 moments and the fp32 master weights: 12 bytes a parameter."""
+        return self.adam.state_nbytes + self.master.nbytes
+
+    def update(self, params, grads, decay_runs, lr: float) -> None:
+        """AdamW on the master copy, then the parameters the layers use are its rounding."""
+        self.adam.update(self.master, grads, decay_runs, lr)
+        params[...] = self.fmt.round(self.master)
+
+
+def step_mixed(optimizers, lr: float, scaler) -> float:
+    """`optim.distributed.step_together` for a mixed-precision run. The reduced gradients
+    are rounded to the low format (fp16: inf where the scaled value overflowed), divided
+    by the loss scale in fp32, and the global norm is taken. A non-finite norm, the same
+    on every rank since every rank summed the same squares, skips the update: the scaler
+    halves its scale and the parameters and moments stay as they were. Returns the norm
+    of the unscaled gradients."""
+    for optimizer in optimizers:
+        optimizer.reduce_grads()
+        grads = optimizer.reduced_grads()
+        optimizer.precision.round_(grads)
+        grads *= 1.0 / scaler.scale
+    with np.errstate(invalid="ignore", over="ignore"):
+        norm = math.sqrt(sum(optimizer.grad_sumsq() for optimizer in optimizers))
+    if scaler.record(math.isfinite(norm)):
+        for optimizer in optimizers:
+            optimizer.update(lr, norm)
+    return norm

@@ -1,0 +1,120 @@
+"""Mixed-precision training emulated in float32 (docs/18-numbers.md; Micikevicius et al.
+2018, "Mixed Precision Training", §3).
+
+A run in bf16 or fp16 keeps three things in the low format and everything else in fp32:
+
+  parameters    what the layers multiply by: the fp32 master weights rounded after every
+                update (optim/master_weights.py keeps the master copy, fp32 Adam moments);
+  activations   what one layer hands the next, and the gradient handed back (model.py);
+  gradients     what the optimizer receives, after the reduction over dp.
+
+The layers themselves compute in float32: a BLAS on a CPU has no bf16 GEMM. A product of
+two low-format numbers is exact in fp32 (8 + 8 significand bits fit in 24; 11 + 11 for
+fp16 fit too), and tensor cores accumulate such products in fp32, so "cast to fp32,
+sgemm, round the result" is a tensor-core matmul up to the order of the summation.
+LayerNorm, softmax and the loss compute in fp32 on a GPU as well.
+
+What is emulated exactly: the rounding (round to nearest even, `astype` of ml_dtypes and
+NumPy), the formats' ranges (fp16 overflows to inf above 65504, flushes below 2^-24).
+What is not: matmul outputs inside a block are kept in fp32 until the block's output is
+rounded, and the bytes: low-format values live in float32 arrays, so the memory report
+counts their elements at the format's size (optim/memory_report.py).
+"""
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from numpitron.errors import UserError
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    dtype: np.dtype         # the low format's NumPy dtype
+    loss_scale: float       # the default initial loss scale (1: none needed)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def mixed(self) -> bool:
+        return self.name != "fp32"
+
+    @property
+    def eps(self) -> float:
+        """The distance from 1 to the next number: a rounding errs by at most eps / 2."""
+        return float(ml_dtypes.finfo(self.dtype).eps)
+
+    def round(self, x: np.ndarray) -> np.ndarray:
+        """x rounded to this format, kept in x's dtype (a new array; fp32: x itself)."""
+        if not self.mixed:
+            return x
+        with np.errstate(over="ignore"):          # fp16 overflow to inf is the point
+            return x.astype(self.dtype).astype(x.dtype)
+
+    def round_(self, x: np.ndarray) -> None:
+        """Round x in place."""
+        if self.mixed:
+            with np.errstate(over="ignore"):
+                x[...] = x.astype(self.dtype)
+
+
+# bf16 keeps fp32's 8 exponent bits (range to 3e38): gradients neither overflow nor
+# underflow, so it needs no loss scale. fp16's 5 exponent bits reach 65504 and, with
+# subnormals, 6e-8: small gradients flush to zero unless the loss is scaled up first.
+FORMATS = {
+    "fp32": Format("fp32", np.dtype(np.float32), 1.0),
+    "bf16": Format("bf16", np.dtype(ml_dtypes.bfloat16), 1.0),
+    "fp16": Format("fp16", np.dtype(np.float16), 2.0 ** 16),
+}
+PRECISIONS = tuple(FORMATS)
+
+
+def check_precision(precision: str, dtype: str, loss_scale: float, loss_scale_window: int) -> None:
+    """One clear line for a precision the run cannot use."""
+    if precision not in FORMATS:
+        raise UserError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if FORMATS[precision].mixed and dtype != "float32":
+        raise UserError(f"precision {precision} keeps float32 master weights: use --dtype float32, not {dtype}")
+    if loss_scale != 0:
+        exponent = np.log2(loss_scale) if loss_scale > 0 else 0.5
+        if not np.isfinite(exponent) or exponent != int(exponent):
+            raise UserError(f"--loss-scale must be a positive power of two (or 0: the format's default), "
+                            f"got {loss_scale}")
+    if isinstance(loss_scale_window, bool) or not isinstance(loss_scale_window, int) or loss_scale_window < 1:
+        raise UserError(f"--loss-scale-window must be a positive integer, got {loss_scale_window}")
+
+
+class LossScaler:
+    """Dynamic loss scaling (Micikevicius et al. 2018, §3.2; Megatron's and PyTorch's
+    GradScaler): the loss, and so every gradient, is multiplied by `scale` before the
+    backward, so small gradients stay above fp16's smallest number; the optimizer
+    divides it out in fp32. A step whose gradients overflowed (inf or nan) is skipped
+    and the scale halved; after `window` clean steps in a row it doubles. Only fp16
+    scales dynamically; bf16 and fp32 keep a scale of 1 (or the one given)."""
+
+    def __init__(self, fmt: Format, initial: float = 0.0, window: int = 1000):
+        self.dynamic = fmt.name == "fp16"
+        self.scale = float(initial or fmt.loss_scale)
+        self.window, self.clean_steps, self.skipped_steps = window, 0, 0
+
+    def record(self, finite: bool) -> bool:
+        """After a step's gradients are known: True if the step may be applied."""
+        if not self.dynamic:
+            return finite
+        if not finite:
+            self.scale = max(self.scale / 2, 1.0)
+            self.clean_steps = 0
+            self.skipped_steps += 1
+            return False
+        self.clean_steps += 1
+        if self.clean_steps == self.window:
+            self.scale *= 2
+            self.clean_steps = 0
+        return True
+
+    def state(self) -> dict:
+        return {"loss_scale": self.scale, "skipped_steps": self.skipped_steps}

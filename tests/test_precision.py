@@ -1,0 +1,127 @@
+"""Mixed precision (numpitron/precision.py, optim/master_weights.py; docs/18-numbers.md):
+the formats' rounding and ranges, dynamic loss scaling, fp16's underflow without it,
+the 2 + 2 + 12 bytes per parameter of every ZeRO stage, checkpoints of the master
+weights, and bf16 layouts against one process in bf16."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from numpitron.distributed.topology import Topology
+from numpitron.errors import UserError
+from numpitron.optim.memory_report import memory_bytes
+from numpitron.precision import FORMATS, LossScaler, check_precision
+from tests.harness import check_mesh, make_trainer, tiny_model, tiny_tokens, tiny_train, train_steps
+
+BF16_EPS = float(ml_dtypes.finfo(ml_dtypes.bfloat16).eps)          # 2^-7
+
+
+def test_rounding_errs_by_at_most_half_an_epsilon_and_fp16_has_its_range():
+    x = np.random.default_rng(0).normal(size=10000).astype(np.float32)
+    for name in ("bf16", "fp16"):
+        fmt = FORMATS[name]
+        rounded = fmt.round(x)
+        assert rounded.dtype == np.float32 and not np.array_equal(rounded, x)
+        assert np.max(np.abs(rounded - x) / np.abs(x)) <= fmt.eps / 2
+    assert FORMATS["fp32"].round(x) is x
+    fp16 = FORMATS["fp16"].round(np.array([7e4, 2.0 ** -26, 2.0 ** -23], np.float32))
+    assert fp16[0] == np.inf and fp16[1] == 0 and fp16[2] == 2.0 ** -23
+    bf16 = FORMATS["bf16"].round(np.array([1e38, 2.0 ** -126], np.float32))
+    assert np.all(np.isfinite(bf16)) and bf16[1] == 2.0 ** -126        # bf16 has fp32's range
+
+
+def test_dynamic_loss_scale_halves_and_skips_on_overflow_and_doubles_after_a_clean_window():
+    scaler = LossScaler(FORMATS["fp16"], initial=8.0, window=3)
+    assert scaler.record(False) is False and scaler.state() == {"loss_scale": 4.0, "skipped_steps": 1}
+    assert all(scaler.record(True) for _ in range(3)) and scaler.scale == 8.0
+    bf16 = LossScaler(FORMATS["bf16"])
+    assert bf16.record(True) and bf16.scale == 1.0 and bf16.skipped_steps == 0
+
+
+@pytest.mark.parametrize("precision, dtype, scale, message", [
+    ("fp8", "float32", 0, "unknown precision 'fp8'"),
+    ("bf16", "float64", 0, "use --dtype float32"),
+    ("fp16", "float32", 3.0, "positive power of two"),
+    ("fp16", "float32", -4.0, "positive power of two"),
+])
+def test_bad_precision_input_is_one_clear_line(precision, dtype, scale, message):
+    with pytest.raises(UserError, match=message) as error:
+        check_precision(precision, dtype, scale, 1000)
+    assert "\n" not in str(error.value)
+
+
+def test_an_overflowing_fp16_step_is_skipped_and_leaves_parameters_and_moments_alone():
+    trainer = make_trainer(tiny_model("float32"), tiny_train(precision="fp16", loss_scale=2.0 ** 40),
+                           Topology.serial())
+    before = trainer.optimizer.adam.master.copy()
+    out = trainer.train_step(tiny_tokens())
+    assert out["skipped_steps"] == 1 and out["loss_scale"] == 2.0 ** 39
+    assert np.array_equal(trainer.optimizer.adam.master, before) and not trainer.optimizer.adam.m.any()
+
+
+def _reduced_grads(precision: str, loss_scale: float) -> np.ndarray:
+    trainer = make_trainer(tiny_model("float32"), tiny_train(precision=precision, loss_scale=loss_scale,
+                                                               grad_clip=0.0), Topology.serial())
+    trainer.train_step(tiny_tokens())
+    return trainer.optimizer.reduced_grads().copy()
+
+
+def test_fp16_loses_small_gradients_to_underflow_and_loss_scaling_recovers_them():
+    exact = _reduced_grads("fp32", 0)
+    unscaled, scaled = _reduced_grads("fp16", 1.0), _reduced_grads("fp16", 2.0 ** 16)
+    nonzero = exact != 0
+    lost_unscaled = np.flatnonzero(nonzero & (unscaled == 0))
+    lost_scaled = np.flatnonzero(nonzero & (scaled == 0))
+    smallest_fp16 = 2.0 ** -24
+    assert len(lost_unscaled) >= 100, len(lost_unscaled)
+    assert np.all(np.abs(exact[lost_unscaled]) < 4 * smallest_fp16)          # lost: below fp16's range
+    assert len(lost_scaled) * 4 <= len(lost_unscaled), (len(lost_scaled), len(lost_unscaled))
+    assert np.all(np.abs(exact[lost_scaled]) < 4 * smallest_fp16 / 2.0 ** 16)  # only what even 2^16 cannot lift
+
+
+def test_bf16_keeps_fp32_master_weights_and_hands_the_layers_their_rounding():
+    trainer = make_trainer(tiny_model("float32"), tiny_train(precision="bf16"), Topology.serial())
+    train_steps(trainer, 3)
+    master, used = trainer.optimizer.adam.master, trainer.model.store.data
+    assert np.array_equal(used, FORMATS["bf16"].round(master)) and not np.array_equal(used, master)
+    assert trainer.optimizer.state.values_in_range(0, 8)["params"] is not None
+    np.testing.assert_array_equal(trainer.optimizer.state.whole("params"), master)
+
+
+def expected_model_state(stage: int, size: int, dp: int) -> dict:
+    """(2 + 2 + 12) bytes a parameter (Rajbhandari et al. 2020, Fig. 1) divided as each
+    ZeRO stage shards: parameters 2 from stage 3, optimizer state 12 from stage 1, and
+    the gradients this implementation keeps between steps: the whole 2 (stage 0), the
+    whole and the reduce-scattered slice (stage 1), the slice only (stages 2 and 3)."""
+    grads = {0: 2 * size, 1: 2 * size + 2 * size // dp, 2: 2 * size // dp, 3: 2 * size // dp}[stage]
+    return {"params": 2 * size // (dp if stage == 3 else 1), "grads": grads,
+            "optimizer_state": 12 * size // (dp if stage >= 1 else 1)}
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_mixed_precision_model_state_is_2_2_12_bytes_per_parameter_over_every_zero_stage():
+    for stage in (0, 1, 2, 3):
+        trainer = make_trainer(tiny_model("float32"), tiny_train(precision="bf16"), data=2, zero_stage=stage)
+        size = trainer.model.store.size
+        measured = memory_bytes(trainer.optimizer)
+        assert {k: measured[k] for k in ("params", "grads", "optimizer_state")} == \
+            expected_model_state(stage, size, 2), stage
+
+
+# Two layouts in bf16 sum the same fp32 products in different orders (the dp all-reduce,
+# the tp partial sums): differences of a few fp32 ulps, which the rounding to bf16
+# either absorbs or turns into one bf16 ulp, a relative eps = 2^-7, in a parameter, an
+# activation or a gradient. The loss and the gradient norm, smooth functions of them,
+# then differ by at most about eps relative. A parameter's Adam update is at most lr a
+# step, so two runs' master weights part by at most 2 lr a step where a flipped
+# rounding changes an update's sign; over ten steps of tiny_train's schedule that is
+# 2 sum(lr_t) in absolute terms, which we test relative to the largest parameter.
+@pytest.mark.parallel(nprocs=2)
+@pytest.mark.parametrize("mesh", [dict(data=2), dict(tensor=2)], ids=["dp2", "tp2"])
+def test_bf16_layouts_equal_one_process_in_bf16_within_the_formats_epsilon(mesh):
+    train = tiny_train(precision="bf16")
+    trainer = make_trainer(tiny_model("float32"), train, Topology.serial())
+    adam_bound = 2 * sum(trainer.lr(t) for t in range(10)) / np.max(np.abs(trainer.model.store.data))
+    result = check_mesh(mesh, dtype="float32", rtol=adam_bound, precision="bf16")
+    assert np.max(np.abs(result.losses - result.reference_losses) / result.reference_losses) <= BF16_EPS
