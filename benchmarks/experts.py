@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -82,9 +84,8 @@ def routing(metrics: Path) -> None:
                       "mean_dropped_fraction": float(np.mean([r["moe_dropped_fraction"] for r in rows]))}))
 
 
-def max_over_mean(rows) -> "np.ndarray":
+def max_over_mean(rows) -> np.ndarray:
     """(iterations, blocks): the busiest expert's assignments over the mean."""
-    import numpy as np
     counts = np.array([r["moe_tokens_per_expert"] for r in rows], float)
     return counts.max(axis=2) / counts.mean(axis=2)
 

@@ -6,7 +6,6 @@ weights, and bf16 layouts against one process in bf16."""
 import ml_dtypes
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
