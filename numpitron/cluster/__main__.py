@@ -16,6 +16,7 @@ import sys
 from numpitron.cluster import control, launch
 from numpitron.cluster.network import ClusterError, ClusterSpec
 from numpitron.cluster.supervisor import supervise
+from numpitron.errors import exit_with_one_line
 
 
 def parser() -> argparse.ArgumentParser:
@@ -70,8 +71,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ClusterError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(1)
+    exit_with_one_line(main)

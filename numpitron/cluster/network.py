@@ -24,6 +24,8 @@ import re
 import subprocess
 from dataclasses import asdict, dataclass
 
+from numpitron.errors import UserError
+
 SUBNET = "10.211"                  # the private /16 every address comes from
 SWITCH_ADDRESS = f"{SUBNET}.0.254"
 MTU = 1500
@@ -36,7 +38,7 @@ QUEUE_LIMIT_BYTES = 16 * 2**20
 FRAME_HEADER_BYTES = 14 + 20 + 32
 
 
-class ClusterError(Exception):
+class ClusterError(UserError):
     """A command the cluster needs failed; the message is one line."""
 
 

@@ -12,13 +12,12 @@ give, from the same checks.
 """
 
 import json
-import sys
 from dataclasses import replace
 
 from numpitron.cli import configs_from_args, training_parser
 from numpitron.config import check_layout
 from numpitron.distributed.topology import resolve_mesh
-from numpitron.errors import UserError
+from numpitron.errors import UserError, exit_with_one_line
 from numpitron.plan.accounting import layer_elements, moe_block_elements
 from numpitron.plan.devices import load_device
 from numpitron.plan.predict import plan
@@ -159,8 +158,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(1)
+    exit_with_one_line(main)
