@@ -93,9 +93,11 @@ def _home(key: str, sections: dict) -> str:
 
 def _checked(action: argparse.Action, value, where: str):
     """The parsed value a flag takes from a TOML value, or a UserError naming the key."""
-    if action.nargs == 0:                         # a switch: store_true / store_false
+    if action.nargs == 0:                         # a switch: store_true / store_false, or --x / --no-x
         if not isinstance(value, bool):
             raise UserError(f"{where} must be true or false, got {value!r}")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return value
         return action.const if value else action.default
     kind = action.type or str
     ok = {int: isinstance(value, int) and not isinstance(value, bool),
@@ -123,7 +125,7 @@ def config_toml(parser: argparse.ArgumentParser, args: argparse.Namespace, leave
             if value is None or key in leave_out:
                 continue
             if action.nargs == 0:
-                value = value == action.const
+                value = bool(value) if isinstance(action, argparse.BooleanOptionalAction) else value == action.const
             entries.append(f"{key} = {_toml_value(value)}")
         if entries:
             lines += [f"[{section}]", *entries, ""]

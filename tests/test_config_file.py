@@ -2,6 +2,7 @@
 configs/; the config.toml a run leaves (it repeats the run); plain progress lines when
 standard output is not a terminal."""
 
+import argparse
 import importlib.util
 import json
 import re
@@ -51,7 +52,9 @@ def write(tmp_path, text: str) -> Path:
 def test_every_flag_has_a_key_in_its_help_group_and_the_written_file_reads_back(command, tmp_path):
     parser = PARSERS[command]()
     sections = keyed_actions(parser)
-    flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--")} - {"--help", "--config"}
+    # One key per flag; a --x / --no-x pair is one flag.
+    flags = {next(o for o in a.option_strings if o.startswith("--")) for a in parser._actions
+             if any(o.startswith("--") for o in a.option_strings)} - {"--help", "--config"}
     keys = {f"--{k.replace('_', '-')}" for keys in sections.values() for k in keys}
     assert keys == flags
     assert "options" not in sections            # every flag sits in a named group
@@ -60,7 +63,8 @@ def test_every_flag_has_a_key_in_its_help_group_and_the_written_file_reads_back(
     for keys in sections.values():
         for action in keys.values():
             if action.nargs == 0:
-                setattr(changed, action.dest, action.const)
+                setattr(changed, action.dest, not action.default if isinstance(action, argparse.BooleanOptionalAction)
+                        else action.const)
             elif action.choices:
                 setattr(changed, action.dest, [c for c in action.choices if c != action.default][0])
             elif action.type in (int, float):
