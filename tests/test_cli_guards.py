@@ -176,7 +176,8 @@ def test_a_second_job_in_a_used_directory_is_refused_naming_the_first(data_dir, 
                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and "pid" not in (copy / ".numpitron-lock").read_text():
+        lock = copy / ".numpitron-lock"         # the copied run's own lock names its old pid
+        while time.monotonic() < deadline and f"pid {first.pid} " not in (lock.read_text() if lock.exists() else ""):
             time.sleep(0.05)
         second = train(data_dir, copy, "--max-iters", "100000", "--resume", nprocs=2)
         one_line(second, f"is in use by another run (pid {first.pid} on ")
