@@ -18,13 +18,14 @@ from tests.conftest import REPO
 from tests.harness import tiny_model
 
 MOE = dict(num_experts=4, moe_top_k=1, moe_every=2)
+SHARED = dict(MOE, moe_shared_experts=1, moe_expert_hidden=16)     # DeepSeekMoE's shared and narrower experts
 
 
 def held(model) -> int:
     return sum(math.prod(p.logical_shape) for p in model.parameters())
 
 
-@pytest.mark.parametrize("experts", [{}, MOE], ids=["dense", "experts"])
+@pytest.mark.parametrize("experts", [{}, MOE, SHARED], ids=["dense", "experts", "shared-experts"])
 def test_total_and_active_equal_a_real_models_parameters(experts):
     model_cfg = tiny_model(**experts)
     model = GPTStage(model_cfg, Topology.serial())
@@ -51,6 +52,14 @@ def test_the_planner_prints_the_size_and_puts_it_in_json():
     assert text.splitlines()[0] == (f"model: {counts['total']:,} parameters (per stage "
                                     f"{counts['per_stage'][0]:,}, {counts['per_stage'][1]:,})")
     assert counts["total"] == 809_856 == counts["active_per_token"]      # the default model
+
+
+def test_with_experts_the_json_holds_the_size_and_the_refusal_is_one_line():
+    args = [sys.executable, "-m", "numpitron.plan", "--num-experts", "4", "--moe-top-k", "2", "--json"]
+    result = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=60)
+    counts = json.loads(result.stdout)["parameters"]
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1
+    assert counts["active_per_token"] < counts["total"] and f"{counts['total']:,} parameters" in result.stderr
 
 
 @pytest.mark.parallel(nprocs=2)

@@ -129,10 +129,13 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     model, parallel, train = configs_from_args(args)
     model = replace(model, vocab_size=args.vocab_size).validate()
-    if model.num_experts:
+    if model.num_experts:                # its size, then why there is no plan
+        counts = parameter_counts(model, args.pipeline_parallel_size, parallel.virtual_stages)
+        if args.json:
+            print(json.dumps({"parameters": counts}))
         raise UserError("the planner does not model mixture-of-experts layers yet (their all-to-all bytes "
                         "depend on the routing): plan the dense model, see docs/14-experts.md; this model has "
-                        + size_line(parameter_counts(model, args.pipeline_parallel_size, parallel.virtual_stages)))
+                        + size_line(counts))
     if args.devices is not None and args.devices < 1:
         raise UserError(f"--devices must be positive, got {args.devices}")
     device = load_device(args.device)
