@@ -28,7 +28,7 @@ def check_fits(model_cfg, parallel_cfg, train_cfg, topo) -> None:
     planner's accounting (numpitron/plan/accounting.py, exact on every tested layout),
     against what this host has free."""
     from numpitron.plan.accounting import Rank, peak_activation_bytes, state_bytes
-    rank = Rank(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank, topo.cp_rank)
+    rank = Rank.of(topo, parallel_cfg)
     need = sum(state_bytes(model_cfg, parallel_cfg, rank).values()) \
         + peak_activation_bytes(model_cfg, parallel_cfg, train_cfg, rank)
     have = available_bytes()
@@ -44,8 +44,8 @@ def check_model_fits(model_cfg, topo, parameter_copies: int = 0, what: str = "th
     read from a file is checked so before anything is allocated."""
     from numpitron.config import ParallelConfig
     from numpitron.plan.accounting import Rank, state_bytes
-    rank = Rank(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank, topo.cp_rank)
-    state = state_bytes(model_cfg, ParallelConfig(), rank)
+    parallel = ParallelConfig()
+    state = state_bytes(model_cfg, parallel, Rank.of(topo, parallel))
     need = sum(state.values()) + parameter_copies * state["params"]
     have = available_bytes()
     if have is not None and need > have:

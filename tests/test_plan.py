@@ -9,12 +9,13 @@ from numpitron.plan.accounting import Rank, comm_bytes, peak_activation_bytes, s
 from tests.harness import assert_on_every_rank, make_trainer, tiny_model, tiny_tokens, tiny_train
 
 
-def measured_and_planned(n_layers=4, **layout):
-    trainer = make_trainer(tiny_model(n_layers=n_layers), tiny_train(), **layout)
+def measured_and_planned(n_layers=4, global_batch_size=8, **layout):
+    trainer = make_trainer(tiny_model(n_layers=n_layers), tiny_train(global_batch_size=global_batch_size), **layout)
     topo, model_cfg = trainer.topo, trainer.model_cfg
     topo.stats.reset()
     trainer.train_step(tiny_tokens())
-    rank = Rank(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank, topo.cp_rank, topo.dp_rank, topo.dp_shard)
+    rank = Rank.of(topo, trainer.parallel_cfg)
+    assert rank.placement == trainer.model.placement        # the planner places the stages as the model does
     return {
         "memory": (memory_bytes(trainer.optimizer), state_bytes(model_cfg, trainer.parallel_cfg, rank)),
         "comm": ({k: v["bytes"] for k, v in topo.stats.snapshot().items()},
@@ -29,7 +30,9 @@ LAYOUTS_2 = [dict(), dict(data=2), dict(data=2, zero_stage=1), dict(data=2, zero
              dict(tensor=2), dict(tensor=2, sequence_parallel=True),
              dict(tensor=2, recompute="full"), dict(pipeline=2, schedule="gpipe"), dict(pipeline=2),
              dict(context=2), dict(context=2, recompute="selective"), dict(pipeline=2, schedule="zero-bubble"),
-             dict(pipeline=2, schedule="interleaved", virtual_stages=2)]
+             dict(pipeline=2, schedule="interleaved", virtual_stages=2),
+             # the V: rank 0 holds the embeddings and the head, rank 1 the bottom of the V
+             dict(pipeline=2, schedule="zb-v"), dict(pipeline=2, schedule="dualpipev")]
 LAYOUTS_4 = [dict(tensor=2, pipeline=2, sequence_parallel=True, recompute="full"),
              dict(context=2, data=2, zero_stage=1), dict(tensor=2, context=2), dict(pipeline=4, schedule="1f1b"),
              # ZeRO stages 0-3 at dp = 4, and each with tp (the memory table of docs/12)
@@ -43,7 +46,10 @@ LAYOUTS_4 = [dict(tensor=2, pipeline=2, sequence_parallel=True, recompute="full"
              dict(data=4, data_shard=2, zero_stage=1), dict(data=4, data_shard=2, zero_stage=2),
              dict(data=4, data_shard=2, zero_stage=3), dict(data=4, data_shard=2, hierarchical_all_reduce=True),
              dict(context=2, data=2, data_shard=1, zero_stage=3), dict(tensor=2, data=2, data_shard=1, zero_stage=2),
-             dict(pipeline=2, data=2, data_shard=1, zero_stage=1)]
+             dict(pipeline=2, data=2, data_shard=1, zero_stage=1),
+             # the V with tp (the embedding's and the head's collectives on one rank) and with dp
+             dict(pipeline=2, tensor=2, schedule="zb-v", sequence_parallel=True),
+             dict(pipeline=2, data=2, schedule="dualpipev", zero_stage=1, global_batch_size=12)]
 
 
 def name(layout):
@@ -235,7 +241,7 @@ def _calls_and_sync_points(layout):
     trainer.train_step(tiny_tokens())
     topo.stats.reset()
     trainer.train_step(tiny_tokens())
-    rank = Rank(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank)
+    rank = Rank.of(topo, trainer.parallel_cfg)
     per_mb, per_step = sync_points(trainer.model_cfg, trainer.parallel_cfg, rank)
     calls = sum(v["calls"] for v in topo.stats.snapshot().values())
     return calls, trainer.num_microbatches * per_mb + per_step
@@ -243,7 +249,10 @@ def _calls_and_sync_points(layout):
 
 @pytest.mark.parallel(nprocs=2)
 @pytest.mark.parametrize("layout", [{"tensor": 2}, {"data": 2}, {"pipeline": 2}, {"pipeline": 2, "schedule": "gpipe"},
-                                    {"tensor": 2, "recompute": "full"}], ids=name)
+                                    {"tensor": 2, "recompute": "full"},
+                                    {"pipeline": 2, "schedule": "interleaved", "virtual_stages": 2},
+                                    {"pipeline": 2, "schedule": "zb-v"}, {"pipeline": 2, "schedule": "dualpipev"}],
+                         ids=name)
 def test_sync_points_are_the_blocking_calls_a_run_makes(layout):
     calls, planned = _calls_and_sync_points(layout)
     assert calls == planned, (calls, planned)

@@ -33,7 +33,7 @@ def test_total_and_active_equal_a_real_models_parameters(experts):
     # Per token an MoE block runs top-k of its experts: leave out experts k .. E-1.
     idle = sum(math.prod(p.logical_shape) for p in model.parameters()
                if ".experts." in p.name and int(p.name.split(".experts.")[1].split(".")[0]) >= model_cfg.moe_top_k)
-    counts = parameter_counts(model_cfg, pp=1)
+    counts = parameter_counts(model_cfg)
     assert counts == {"total": stored, "per_stage": [held(model)], "active_per_token": stored - idle}
     assert (idle > 0) == bool(experts)
 
@@ -41,7 +41,7 @@ def test_total_and_active_equal_a_real_models_parameters(experts):
 def test_gpt2_small_has_its_published_size():
     from numpitron.config import ModelConfig
     gpt2 = ModelConfig(vocab_size=50257, seq_len=1024, n_layers=12, n_heads=12, d_model=768)
-    assert parameter_counts(gpt2, pp=1)["total"] == 124_439_808          # GPT2LMHeadModel's num_parameters()
+    assert parameter_counts(gpt2)["total"] == 124_439_808          # GPT2LMHeadModel's num_parameters()
 
 
 def test_the_planner_prints_the_size_and_puts_it_in_json():
@@ -63,12 +63,13 @@ def test_with_experts_the_json_holds_the_size_and_the_refusal_is_one_line():
 
 
 @pytest.mark.parallel(nprocs=2)
-@pytest.mark.parametrize("virtual, experts", [(1, {}), (2, MOE)], ids=["1f1b", "interleaved-experts"])
-def test_per_stage_counts_equal_what_each_pipeline_rank_holds(virtual, experts):
+@pytest.mark.parametrize("schedule, experts", [("1f1b", {}), ("interleaved", MOE), ("zb-v", {})],
+                         ids=["1f1b", "interleaved-experts", "zb-v"])
+def test_per_stage_counts_equal_what_each_pipeline_rank_holds(schedule, experts):
+    from numpitron.plan.__main__ import sizes
     model_cfg = tiny_model(**experts)
-    schedule = "interleaved" if virtual > 1 else "1f1b"
-    parallel = ParallelConfig(schedule=schedule, virtual_stages=virtual).validate()
+    parallel = ParallelConfig(schedule=schedule, virtual_stages=2 if schedule == "interleaved" else 1).validate()
     topo = Topology.from_world(1, 2, 1)
-    model = GPTStage(model_cfg, topo, virtual_stages=virtual)
+    model = GPTStage(model_cfg, topo, virtual_stages=parallel.virtual_stages, v_shape=parallel.v_shaped)
     per_rank = MPI.COMM_WORLD.allgather(held(model))
-    assert per_rank == parameter_counts(model_cfg, 2, parallel.virtual_stages)["per_stage"]
+    assert per_rank == sizes(model_cfg, parallel, 2)["per_stage"]

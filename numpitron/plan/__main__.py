@@ -16,10 +16,12 @@ from dataclasses import replace
 
 from numpitron.cli import configs_from_args, training_parser
 from numpitron.config import check_layout
+from numpitron.distributed.stages import StagePlacement
 from numpitron.distributed.topology import resolve_mesh
 from numpitron.errors import UserError, exit_with_one_line
-from numpitron.plan.accounting import layer_elements, moe_block_elements
+from numpitron.plan.accounting import Rank, layer_elements, moe_block_elements
 from numpitron.plan.devices import load_device
+from numpitron.parallel.schedules import placement_of
 from numpitron.plan.predict import plan
 
 
@@ -51,7 +53,7 @@ def search(args, model, parallel, train, device) -> tuple[list, list]:
                 label = f"tp={tp} pp={pp} cp={cp} dp={args.devices // (tp * pp * cp)}"
                 try:
                     result = plan(model, parallel, train, layout_of(trial, args.devices, model, parallel, train), device)
-                    result["parameters"] = parameter_counts(model, pp, parallel.virtual_stages)
+                    result["parameters"] = sizes(model, parallel, pp)
                 except UserError as error:
                     rejected.append((label, str(error)))
                     continue
@@ -68,25 +70,34 @@ def replace_args(args, tp, pp, cp):
     return trial
 
 
-def parameter_counts(model, pp: int, virtual_stages: int = 1) -> dict:
+def parameter_counts(model, placement: StagePlacement = StagePlacement(1)) -> dict:
     """The model's size, counted from the layers' own Params (plan/accounting.py):
-    `total` (the tied embedding once), `per_stage` (what each pipeline rank holds: the
-    first the embeddings, the last the final LayerNorm and, with pp > 1, its copy of the
-    tied embedding for the head), and `active_per_token` (an MoE block runs its router,
-    its shared experts and top-k of its E routed experts per token)."""
+    `total` (the tied embedding once), `per_stage` (what each pipeline rank holds: its
+    chunks' blocks, the embeddings where virtual stage 0 is, the final LayerNorm where
+    the last is and, when that is another rank, its copy of the tied embedding for the
+    head), and `active_per_token` (an MoE block runs its router, its shared experts and
+    top-k of its E routed experts per token)."""
     pieces = {piece: elements for piece, (elements, _) in layer_elements(model, 1).items()}
     every, active = moe_block_elements(model) if model.num_experts else (0, 0)
 
     def block(i: int, used: bool = False) -> int:
         return (active if used else every) if model.is_moe_block(i) else pieces["block"]
-    chunks = pp * virtual_stages                     # rank r holds chunks r, r + pp, ... (interleaved 1F1B)
-    L = model.n_layers
-    held = [[i for c in range(r, chunks, pp) for i in range(c * L // chunks, (c + 1) * L // chunks)] for r in range(pp)]
+    L, chunks = model.n_layers, placement.stages
     outer = pieces["token"] + pieces["position"] + pieces["head"]
-    per_stage = [sum(map(block, blocks)) + (pieces["token"] + pieces["position"]) * (r == 0)
-                 + (pieces["head"] + pieces["token"] * (pp > 1)) * (r == pp - 1) for r, blocks in enumerate(held)]
+    per_stage = []
+    for r in range(placement.p):
+        rank = Rank(1, placement.p, 1, 1, r, placement=placement)
+        blocks = [i for c in range(placement.v) for j in [placement.stage(r, c)]
+                  for i in range(j * L // chunks, (j + 1) * L // chunks)]
+        per_stage.append(sum(map(block, blocks)) + pieces["token"] * (rank.first or rank.last)
+                         + pieces["position"] * rank.first + pieces["head"] * rank.last)
     return {"total": sum(map(block, range(L))) + outer, "per_stage": per_stage,
             "active_per_token": sum(block(i, used=True) for i in range(L)) + outer}
+
+
+def sizes(model, parallel, pp: int) -> dict:
+    """parameter_counts with the stages placed as the schedule places them (a V or a loop)."""
+    return parameter_counts(model, placement_of(parallel.schedule, pp, parallel.virtual_stages))
 
 
 def size_line(counts: dict) -> str:
@@ -130,7 +141,7 @@ def main(argv=None) -> int:
     model, parallel, train = configs_from_args(args)
     model = replace(model, vocab_size=args.vocab_size).validate()
     if model.num_experts:                # its size, then why there is no plan
-        counts = parameter_counts(model, args.pipeline_parallel_size, parallel.virtual_stages)
+        counts = sizes(model, parallel, args.pipeline_parallel_size)
         if args.json:
             print(json.dumps({"parameters": counts}))
         raise UserError("the planner does not model mixture-of-experts layers yet (their all-to-all bytes "
@@ -155,7 +166,7 @@ def main(argv=None) -> int:
     world = args.devices or (args.tensor_parallel_size * args.pipeline_parallel_size * args.context_parallel_size
                              * (args.data_parallel_size or 1))
     result = plan(model, parallel, train, layout_of(args, world, model, parallel, train), device)
-    result["parameters"] = parameter_counts(model, args.pipeline_parallel_size, parallel.virtual_stages)
+    result["parameters"] = sizes(model, parallel, args.pipeline_parallel_size)
     print(json.dumps(result) if args.json else report(result))
     return 0
 

@@ -3,7 +3,9 @@ and the mesh alone: one function per quantity, each term named after the strateg
 that adds it. Tests compare every figure with what a real run counts (`ParamStore`,
 the optimizer, `CommStats`, `PipelineStats.peak_activation_bytes`), to the byte.
 
-A rank is described by its stage (pp_rank) and cp_rank; tp, dp ranks do not change
+A rank is described by its stage (pp_rank), the placement of the virtual stages on
+the pipeline's ranks (the model's own `StagePlacement`: a loop, or a V whose rank 0
+holds both the embeddings and the head) and its cp_rank; tp, dp ranks do not change
 these figures.
 """
 
@@ -12,12 +14,13 @@ from dataclasses import dataclass
 from functools import cache
 
 from numpitron.distributed.sharding import pad_to_multiple, pieces_of_range
+from numpitron.distributed.stages import StagePlacement
 from numpitron.distributed.topology import Topology
 from numpitron.nn.activation_memory import block_activation_bytes
 from numpitron.nn.block import Block
 from numpitron.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from numpitron.nn.head import LanguageModelHead
-from numpitron.parallel.schedules import BACKWARD, FORWARD, WEIGHT_GRAD, make_schedule
+from numpitron.parallel.schedules import BACKWARD, FORWARD, WEIGHT_GRAD, make_schedule, placement_of
 
 F64 = 8          # the loss and the squared gradient norm travel as one float64
 
@@ -32,6 +35,17 @@ class Rank:
     cp_rank: int = 0
     dp_rank: int = 0               # only ZeRO-3's traffic depends on it (where the slices fall)
     dp_shard: int = 0              # HSDP's S (0: dp): ZeRO shards over cp x S ranks, dp / S replicas
+    placement: StagePlacement | None = None     # None: one stage a rank, in a line
+
+    @classmethod
+    def of(cls, topo, parallel) -> "Rank":
+        """This process's rank, its virtual stages placed as `parallel`'s schedule places them."""
+        return cls(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank, topo.cp_rank, topo.dp_rank, topo.dp_shard,
+                   placement_of(parallel.schedule, topo.pp, parallel.virtual_stages))
+
+    @property
+    def stages(self) -> StagePlacement:
+        return self.placement or StagePlacement(self.pp)
 
     @property
     def shard_group(self) -> int:
@@ -43,13 +57,29 @@ class Rank:
         """Copies of each shard, averaged across them: dp / S (dp_replica)."""
         return self.dp // (self.dp_shard or self.dp)
 
+    def holds_embeddings(self, chunk: int) -> bool:
+        return self.stages.stage(self.stage, chunk) == 0
+
+    def holds_head(self, chunk: int) -> bool:
+        return self.stages.stage(self.stage, chunk) == self.stages.stages - 1
+
     @property
     def first(self) -> bool:
-        return self.stage == 0
+        """Holds the embeddings (virtual stage 0)."""
+        return self.stages.rank_of(0) == self.stage
 
     @property
     def last(self) -> bool:
-        return self.stage == self.pp - 1
+        """Holds the head (the last virtual stage): rank p - 1 of a loop, rank 0 of a V."""
+        return self.stages.rank_of(self.stages.stages - 1) == self.stage
+
+    def pipeline_messages(self) -> int:
+        """Messages this rank sends in each direction per micro-batch (and receives as
+        many): each of its virtual stages sends its activations on and its input
+        gradient back, but where the neighbour is on this rank (the bottom of a V)."""
+        placed = self.stages
+        neighbours = [j + step for c in range(placed.v) for j in [placed.stage(self.stage, c)] for step in (1, -1)]
+        return sum(0 <= k < placed.stages and placed.rank_of(k) != self.stage for k in neighbours)
 
 
 def _all_reduce(nbytes: float, ranks: int) -> float:
@@ -93,8 +123,8 @@ def moe_block_elements(model) -> tuple[int, int]:
 
 def parameter_elements(model, rank: Rank) -> tuple[int, int]:
     """(elements of this rank's slice of its stage, of which tp-replicated): its blocks,
-    the token embedding on the first and last stage (one copy each), the positions on
-    the first, ln_f on the last."""
+    the token embedding on the first and last stage (one copy each, one in all when
+    one rank holds both, as rank 0 of a V), the positions on the first, ln_f on the last."""
     layers = layer_elements(model, rank.tp)
     copies = {"block": model.n_layers // rank.pp, "token": int(rank.first or rank.last),
               "position": int(rank.first), "head": int(rank.last)}
@@ -139,14 +169,14 @@ def chunk_activation_bytes(model, parallel, train, rank: Rank, chunk: int = 0) -
     """What one micro-batch's caches keep in one chunk of this stage (docs/09 and docs/13
     derive it): its n_layers / (p v) blocks, the embeddings in virtual stage 0, the head
     in the last."""
-    item, tp, v = model.itemsize, rank.tp, parallel.virtual_stages
+    item, tp = model.itemsize, rank.tp
     B, T, C = train.micro_batch_size, model.seq_len // rank.cp, model.d_model
     tokens, split = B * T, (tp if parallel.sequence_parallel else 1)
-    total = (model.n_layers // (rank.pp * v)) * block_activation_bytes(
+    total = (model.n_layers // rank.stages.stages) * block_activation_bytes(
         B, T, C, model.n_heads, tp, parallel.sequence_parallel, parallel.recompute, item, rank.cp, rank.cp_rank)
-    if rank.first and chunk == 0:       # token rows (int64), owned mask (bool), the positions (int64)
+    if rank.holds_embeddings(chunk):    # token rows (int64), owned mask (bool), the positions (int64)
         total += 9 * tokens + 8 * T
-    if rank.last and chunk == v - 1:    # ln_f (x-hat, 1/std), the head's input, the loss's probabilities
+    if rank.holds_head(chunk):          # ln_f (x-hat, 1/std), the head's input, the loss's probabilities
         n = tokens // split
         total += item * (2 * n * C + n + tokens * pad_to_multiple(model.vocab_size, tp) // tp) + 9 * tokens
     return total
@@ -194,14 +224,10 @@ def comm_bytes(model, parallel, train, rank: Rank) -> dict:
         add("cp.recv", sends)
     if pp > 1:
         hop = B * (T // (tp if sp else 1)) * C * item
-        # Each chunk sends its activations on (but the last virtual stage) and its input
-        # gradient back (but virtual stage 0): interleaving multiplies the messages by v.
-        virtual = [c * pp + rank.stage for c in range(parallel.virtual_stages)]
-        messages = sum((j < pp * parallel.virtual_stages - 1) + (j > 0) for j in virtual)
-        add("pp.send", m * hop * messages)
-        add("pp.recv", m * hop * messages)
-        add("pp.broadcast", F64)     # the loss, from the last stage
-        if rank.first or rank.last:  # the tied embedding's two copies
+        add("pp.send", m * hop * rank.pipeline_messages())
+        add("pp.recv", m * hop * rank.pipeline_messages())
+        add("pp.broadcast", F64)     # the loss, from the head's stage
+        if rank.first != rank.last:  # the tied embedding's two copies (one, on rank 0, in a V)
             add("embedding.all_reduce", _all_reduce(layer_elements(model, tp)["token"][0] * item, 2))
     elements, group, replicas = parameter_elements(model, rank)[0], rank.shard_group, rank.replicas
     padded, sharded = pad_to_multiple(elements, group), parallel.zero_stage or parallel.hierarchical_all_reduce

@@ -37,7 +37,7 @@ Each choice is an estimate, stated so that its error can be read off.
 """
 
 from numpitron.distributed.sharding import pad_to_multiple
-from numpitron.parallel.schedules import ideal_bubble
+from numpitron.parallel.schedules import ideal_bubble, placement_of
 from numpitron.plan.accounting import Rank, comm_bytes, parameter_elements, peak_activation_bytes, state_bytes
 from numpitron.plan.flops import hardware_flops, model_flops
 from numpitron.plan.kernels import Work, block_work, embedding_work, head_work, optimizer_work
@@ -59,8 +59,9 @@ def plan(model, parallel, train, mesh, device) -> dict:
     stretch = share * device.pace(devices)       # time-sharing, and the pace of the slowest rank
     bubble = ideal_bubble(parallel.schedule, pp, m, parallel.virtual_stages)
     stages = []
+    placement = placement_of(parallel.schedule, pp, parallel.virtual_stages)
     for stage in range(pp):
-        rank = Rank(tp, pp, dp, cp, stage, cp_rank=cp - 1, dp_shard=S)      # the ring's busiest rank
+        rank = Rank(tp, pp, dp, cp, stage, cp_rank=cp - 1, dp_shard=S, placement=placement)   # the ring's busiest rank
         state = state_bytes(model, parallel, rank)
         if device.bytes_per_parameter:                            # mixed precision on paper
             params = state["params"] // model.itemsize
@@ -135,9 +136,10 @@ def sync_points(model, parallel, rank: Rank) -> tuple[int, int]:
     tensor parallelism's f and g (four a block, six under full recomputation, one for
     the embedding, one for the head and three for the loss; a gather and a
     reduce-scatter each with sequence parallelism, counted as one); the context-parallel
-    ring's waits (cp - 1 forward, 2 cp - 1 backward, a block); a pipeline's receive and
-    send each way. Per step: the data-parallel reduction and the loss, the norm, and a
-    pipeline's loss broadcast and tied-embedding all-reduce."""
+    ring's waits (cp - 1 forward, 2 cp - 1 backward, a block); a pipeline's receives and
+    sends (Rank.pipeline_messages each way). Per step: the data-parallel reduction and
+    the loss, the norm, and a pipeline's loss broadcast and tied-embedding all-reduce
+    (none on rank 0 of a V, which holds the one copy)."""
     L, full = model.n_layers // rank.pp, parallel.recompute == "full"
     per_mb = 0
     if rank.tp > 1:
@@ -145,9 +147,9 @@ def sync_points(model, parallel, rank: Rank) -> tuple[int, int]:
     if rank.cp > 1:
         per_mb += L * ((rank.cp - 1) * (1 + full) + 2 * rank.cp - 1)
     if rank.pp > 1:
-        per_mb += 2 * (2 - rank.first - rank.last) * parallel.virtual_stages
+        per_mb += 2 * rank.pipeline_messages()
     per_step = (2 if rank.dp * rank.cp > 1 else 0) + (1 if rank.tp * rank.pp > 1 or parallel.zero_stage else 0) \
-        + (2 if rank.pp > 1 and (rank.first or rank.last) else 1 if rank.pp > 1 else 0)   # the loss; the tied embedding
+        + (1 + (rank.first != rank.last) if rank.pp > 1 else 0)        # the loss; the tied embedding
     return per_mb, per_step
 
 

@@ -69,8 +69,7 @@ def measured_step(mesh_json: str):
     after = link_counters()
     topo = trainer.topo
     formula = comm_bytes(trainer.model_cfg, trainer.parallel_cfg, trainer.train_cfg,
-                         Rank(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank, topo.cp_rank, topo.dp_rank,
-                              topo.dp_shard))
+                         Rank.of(topo, trainer.parallel_cfg))
     return trainer, {k: after[k] - before[k] for k in after}, formula
 
 
