@@ -3,7 +3,7 @@ them (and the MPI world) into validated configs and a Topology."""
 
 import argparse
 
-from numpitron.config import DTYPES, RECOMPUTE, SCHEDULES, ZERO_STAGES, ModelConfig, ParallelConfig, TrainConfig, check_layout
+from numpitron.config import DTYPES, OPTIMIZERS, RECOMPUTE, SCHEDULES, ZERO_STAGES, ModelConfig, ParallelConfig, TrainConfig, check_layout
 from numpitron.errors import UserError
 
 
@@ -96,6 +96,10 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
         g.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     for name in ("lr", "min_lr", "weight_decay", "grad_clip", "beta1", "beta2"):
         g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer,
+                   help="muon: Newton-Schulz-orthogonalised momentum for the blocks' matrices, AdamW for the rest")
+    g.add_argument("--muon-lr", type=float, default=d.muon_lr, help="Muon's peak learning rate (0: --lr)")
+    g.add_argument("--muon-momentum", type=float, default=d.muon_momentum)
 
 
 def training_parser(description: str = "Train a GPT on Tiny Shakespeare on any mesh.") -> ArgumentParser:
@@ -136,7 +140,8 @@ def configs_from_args(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
                         **{k: getattr(args, k) for k in (
                             "max_iters", "eval_interval", "eval_iters", "warmup_iters", "lr_decay_iters",
                             "log_interval", "save_interval", "keep_checkpoints", "seed", "lr", "min_lr",
-                            "weight_decay", "grad_clip", "beta1", "beta2")}).validate()
+                            "weight_decay", "grad_clip", "beta1", "beta2", "optimizer", "muon_lr",
+                            "muon_momentum")}).validate()
     return model, parallel, train
 
 

@@ -18,6 +18,7 @@ GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "gpipe", "1f1b", "interleaved", "
 SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE)
 SPLIT_BACKWARD = (ZERO_BUBBLE,)
 RECOMPUTE = ("none", "selective", "full")
+OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,9 @@ class TrainConfig:
     save_interval: int = 0              # 0: only on improvement and at the end
     keep_checkpoints: int = 2
     seed: int = 1337
+    optimizer: str = "adamw"            # or "muon": hidden matrices orthogonalised (optim/muon.py)
+    muon_lr: float = 0.0                # 0: lr (Muon's update is scaled to AdamW's RMS)
+    muon_momentum: float = 0.95
 
     def validate(self) -> "TrainConfig":
         _positive(self, "micro_batch_size", "max_iters", "eval_interval", "eval_iters", "log_interval", "keep_checkpoints")
@@ -202,6 +206,12 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise UserError(f"{name} must lie in [0, 1), got {getattr(self, name)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+        _finite(self, "muon_lr", "muon_momentum")
+        _non_negative(self, "muon_lr")
+        if not 0 <= self.muon_momentum < 1:
+            raise UserError(f"muon-momentum must lie in [0, 1), got {self.muon_momentum}")
         if self.min_lr > self.lr:
             raise UserError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         return self

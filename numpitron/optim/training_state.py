@@ -2,10 +2,12 @@
 and loads of it (checkpoint/sharded.py, load.py), and what an export gathers.
 
 A checkpoint holds three flat buffers, each laid out like the store's parameters
-(`ParamStore`): the parameters and Adam's two moments (`FLAT_BUFFERS`). A *range* is a
-half-open [lo, hi) of that layout. The optimizer keeps each buffer on one range: the
-moments on the slice [lo, hi) it updates, the parameters on the whole stage (every
-replica holds them) or, under ZeRO-3, on the same slice.
+(`ParamStore`): the parameters and Adam's two moments (`FLAT_BUFFERS`); with Muon a
+fourth, its momentum (`MUON_BUFFER`, zero where AdamW updates, as Adam's moments are
+zero on Muon's matrices: optim/muon.py). A *range* is a half-open [lo, hi) of that
+layout. The optimizer keeps each buffer on one range: the moments on the slice [lo, hi)
+it updates, the parameters on the whole stage (every replica holds them) or, under
+ZeRO-3, on the same slice. `buffers` names the ones this optimizer keeps.
 
     save_range()              the range this rank writes: its ZeRO slice (without
                               ZeRO the replicas split the writing the same way)
@@ -20,6 +22,8 @@ import numpy as np
 from numpitron.distributed.sharding import balanced_bounds
 
 FLAT_BUFFERS = ("params", "adam_m", "adam_v")
+MUON_BUFFER = "muon_m"
+KNOWN_BUFFERS = FLAT_BUFFERS + (MUON_BUFFER,)          # every kind a checkpoint may hold
 
 
 class TrainingState:
@@ -31,29 +35,34 @@ class TrainingState:
         self.store, self.comm, self.adam = store, comm, adam
         self.lo, self.params, self.params_lo, self.after_load = lo, params, params_lo, after_load
 
-    def _held(self, buffer: str) -> tuple[np.ndarray, int]:
+    @property
+    def buffers(self) -> tuple[str, ...]:
+        return ("params",) + tuple(self.adam.flat_state())
+
+    def _held(self, buffer: str, moments: dict | None = None) -> tuple[np.ndarray, int]:
         """The values the optimizer keeps of `buffer`, and where they start in the layout."""
         if buffer == "params":
             return self.params, self.params_lo
-        return (self.adam.m if buffer == "adam_m" else self.adam.v), self.lo
+        return (moments or self.adam.flat_state())[buffer], self.lo
 
     def save_range(self) -> tuple[int, int]:
         return balanced_bounds(self.store.size, self.comm.size, self.comm.rank)
 
     def values_in_range(self, lo: int, hi: int) -> dict:
-        hi_moments = self.lo + self.adam.m.size
+        moments = self.adam.flat_state()
+        hi_moments = self.lo + moments["adam_m"].size
         if not (self.lo <= lo <= hi <= hi_moments):
             raise ValueError(f"[{lo}, {hi}) is outside this rank's [{self.lo}, {hi_moments})")
         values = {}
-        for buffer in FLAT_BUFFERS:
-            held, start = self._held(buffer)
+        for buffer in self.buffers:
+            held, start = self._held(buffer, moments)
             values[buffer] = held[lo - start:hi - start]
         return values
 
     def load_ranges(self) -> list[tuple[str, int, int]]:
-        ranges = []
-        for buffer in FLAT_BUFFERS:
-            held, start = self._held(buffer)
+        ranges, moments = [], self.adam.flat_state()
+        for buffer in self.buffers:
+            held, start = self._held(buffer, moments)
             ranges.append((buffer, start, start + held.size))
         return ranges
 
@@ -62,7 +71,7 @@ class TrainingState:
         layout (zeros where it is padding)."""
         ranges = self.load_ranges()
         self.params[...] = read_range(*ranges[0])
-        self.adam.load_state(read_range(*ranges[1]), read_range(*ranges[2]), step_count)
+        self.adam.load_state(*[read_range(*r) for r in ranges[1:]], step_count)
         if self.after_load is not None:
             self.after_load()
 
