@@ -26,8 +26,8 @@ def check_fits(model_cfg, parallel_cfg, train_cfg, topo) -> None:
     planner's accounting (numpitron/plan/accounting.py, exact on every tested layout),
     against what this host has free."""
     from numpitron.plan.accounting import Rank, peak_activation_bytes, state_bytes
-    rank = Rank(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank, topo.cp_rank)
-    need = sum(state_bytes(model_cfg, parallel_cfg, rank).values()) \
+    rank = Rank(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank, topo.cp_rank, topo.dp_rank)
+    need = sum(state_bytes(model_cfg, parallel_cfg, rank, train_cfg.optimizer).values()) \
         + peak_activation_bytes(model_cfg, parallel_cfg, train_cfg, rank)
     have = available_bytes()
     if have is not None and need > have:

@@ -103,3 +103,20 @@ def test_a_checkpoint_resumes_only_with_its_own_optimizer(shared_dir):
     muon = make_trainer(MODEL, train_cfg(), data=2)
     with pytest.raises(UserError, match="holds the state of --optimizer adamw; resume it with --optimizer adamw"):
         load_checkpoint(path, muon)
+
+
+@pytest.mark.parallel(nprocs=2)
+@pytest.mark.parametrize("layout", [dict(), dict(data=2), dict(data=2, zero_stage=1), dict(data=2, zero_stage=3),
+                                    dict(pipeline=2), dict(tensor=2, zero_stage=2)], ids=mesh_id)
+def test_the_planner_counts_muons_state_to_the_byte(layout):
+    """One moment on the matrices' elements of a rank's slice, two on the rest."""
+    from numpitron.optim.memory_report import memory_bytes
+    from numpitron.plan.accounting import Rank, state_bytes
+    from tests.harness import assert_on_every_rank
+    trainer = make_trainer(tiny_model(), tiny_train(optimizer="muon"), **layout)
+    trainer.train_step(tiny_tokens())           # ZeRO-3's peaks are those of a step
+    topo = trainer.topo
+    rank = Rank(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank, topo.cp_rank, topo.dp_rank)
+    measured, planned = memory_bytes(trainer.optimizer), state_bytes(trainer.model_cfg, trainer.parallel_cfg, rank, "muon")
+    adamw = state_bytes(trainer.model_cfg, trainer.parallel_cfg, rank)["optimizer_state"]
+    assert_on_every_rank({"memory": (measured, planned), "fewer than AdamW": planned["optimizer_state"] < adamw})
