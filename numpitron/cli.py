@@ -91,6 +91,9 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
     g.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x dp")
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, metavar=("START", "INCREMENT", "SAMPLES"), default=None,
+                   help="grow the global batch from START by INCREMENT, evenly over the first SAMPLES samples "
+                        "(Megatron's semantics)")
     for name in ("max_iters", "eval_interval", "eval_iters", "warmup_iters", "lr_decay_iters", "log_interval",
                  "save_interval", "keep_checkpoints", "seed"):
         g.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
@@ -137,6 +140,7 @@ def configs_from_args(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
                               bucket_size=args.bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
                               sequence_parallel=args.sequence_parallel, recompute=args.recompute).validate()
     train = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size or 0,
+                        rampup_batch_size=tuple(args.rampup_batch_size or ()),
                         **{k: getattr(args, k) for k in (
                             "max_iters", "eval_interval", "eval_iters", "warmup_iters", "lr_decay_iters",
                             "log_interval", "save_interval", "keep_checkpoints", "seed", "lr", "min_lr",

@@ -4,6 +4,7 @@ Every check here runs identically on every rank before any communication, so a b
 configuration becomes one error message and never a hang.
 """
 
+import functools
 import math
 from dataclasses import asdict, dataclass, fields
 
@@ -136,6 +137,10 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
                         f"({2 * context}): each rank holds two chunks of every sequence (the zigzag split)")
     if train is not None:
         train.num_microbatches(data)
+        train.check_rampup(data, pipeline, parallel is not None and parallel.virtual_stages > 1)
+        if train.rampup_batch_size and model.num_experts:
+            raise UserError("--rampup-batch-size changes the micro-batch count, which mixture-of-experts layers fix "
+                            "when they are built (their aux loss's weight); not combined yet")
 
 
 def _check_experts(model: ModelConfig, parallel, data: int, context: int, expert: int) -> None:
@@ -196,6 +201,13 @@ class TrainConfig:
     optimizer: str = "adamw"            # or "muon": hidden matrices orthogonalised (optim/muon.py)
     muon_lr: float = 0.0                # 0: lr (Muon's update is scaled to AdamW's RMS)
     muon_momentum: float = 0.95
+    # Megatron's --rampup-batch-size (start, increment, samples): the global batch grows
+    # from start by increment, evenly over the first `samples` samples; () : no ramp-up.
+    rampup_batch_size: tuple = ()
+
+    def __post_init__(self):
+        # A checkpoint's JSON gives a list back; a tuple keeps the config hashable.
+        object.__setattr__(self, "rampup_batch_size", tuple(self.rampup_batch_size or ()))
 
     def validate(self) -> "TrainConfig":
         _positive(self, "micro_batch_size", "max_iters", "eval_interval", "eval_iters", "log_interval", "keep_checkpoints")
@@ -212,6 +224,11 @@ class TrainConfig:
         _non_negative(self, "muon_lr")
         if not 0 <= self.muon_momentum < 1:
             raise UserError(f"muon-momentum must lie in [0, 1), got {self.muon_momentum}")
+        if self.rampup_batch_size:
+            ramp = tuple(self.rampup_batch_size)
+            if len(ramp) != 3 or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in ramp):
+                raise UserError(f"--rampup-batch-size takes three positive integers (start, increment, samples), "
+                                f"got {self.rampup_batch_size!r}")
         if self.min_lr > self.lr:
             raise UserError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         return self
@@ -226,9 +243,45 @@ class TrainConfig:
                 f"x data-parallel size ({self.micro_batch_size} x {data_parallel})")
         return global_batch // per_step
 
+    def check_rampup(self, data_parallel: int, pipeline: int = 1, interleaved: bool = False) -> None:
+        """Every batch of the ramp cuts into whole micro-batches of every dp rank (and, for
+        the interleaved schedule, into groups of pp micro-batches)."""
+        if not self.rampup_batch_size:
+            return
+        start, increment, _ = self.rampup_batch_size
+        target, step = self.global_batch(data_parallel), self.micro_batch_size * data_parallel
+        step *= pipeline if interleaved else 1
+        if start % step or increment % step:
+            raise UserError(f"--rampup-batch-size: start ({start}) and increment ({increment}) must be multiples of "
+                            f"micro batch x data-parallel size{' x pipeline size (interleaved)' if interleaved else ''} "
+                            f"({step}): every step's batch is cut into whole micro-batches on every rank")
+        if start > target or (target - start) % increment:
+            raise UserError(f"--rampup-batch-size: the global batch size ({target}) must be start ({start}) plus a "
+                            f"whole number of increments ({increment})")
+
+    def global_batch_at(self, iteration: int, data_parallel: int) -> int:
+        """The global batch of `iteration`: Megatron's ramp-up (the batch grows by the
+        increment each time another samples / increments samples have been consumed),
+        then the global batch."""
+        return _ramp(self, data_parallel)[min(iteration, self.max_iters - 1)] if self.rampup_batch_size \
+            else self.global_batch(data_parallel)
+
     def global_batch(self, data_parallel: int) -> int:
         """Sequences per step: the flag, or one micro-batch per data-parallel rank."""
         return self.global_batch_size or self.micro_batch_size * data_parallel
+
+
+@functools.lru_cache(maxsize=8)
+def _ramp(cfg: "TrainConfig", data_parallel: int) -> tuple[int, ...]:
+    """The global batch of every iteration of a ramp-up, from the samples consumed before it."""
+    start, increment, samples = cfg.rampup_batch_size
+    target = cfg.global_batch(data_parallel)
+    per_increment = samples / max(1, (target - start) // increment)
+    sizes, consumed = [], 0
+    for _ in range(cfg.max_iters):
+        sizes.append(min(target, start + int(consumed / per_increment) * increment))
+        consumed += sizes[-1]
+    return tuple(sizes)
 
 
 def _integers(cfg, *names):
