@@ -4,7 +4,7 @@ them (and the MPI world) into validated configs and a Topology."""
 import argparse
 import math
 
-from numpitron.config import CONTEXT_PARALLEL_TYPES
+from numpitron.config import CONTEXT_PARALLEL_TYPES, OPTIMIZERS
 from numpitron.config import DTYPES, LOAD_BALANCING, RECOMPUTE, SCHEDULES, ZERO_STAGES, ModelConfig, ParallelConfig, TrainConfig, check_layout
 from numpitron.distributed.watchdog import DEFAULT_TIMEOUT_S
 from numpitron.errors import UserError
@@ -118,6 +118,9 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
     g.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x dp")
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, metavar=("START", "INCREMENT", "SAMPLES"), default=None,
+                   help="grow the global batch from START by INCREMENT, evenly over the first SAMPLES samples "
+                        "(Megatron's semantics)")
     for name in ("max_iters", "eval_interval", "eval_iters", "warmup_iters", "lr_decay_iters", "log_interval",
                  "save_interval", "keep_checkpoints", "seed"):
         g.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
@@ -129,6 +132,10 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                    help="initial loss scale, a power of two (0: fp16 starts at 2^16, the others use none)")
     g.add_argument("--loss-scale-window", type=int, default=d.loss_scale_window,
                    help="fp16: clean steps before the loss scale doubles")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer,
+                   help="muon: Newton-Schulz-orthogonalised momentum for the blocks' matrices, AdamW for the rest")
+    g.add_argument("--muon-lr", type=float, default=d.muon_lr, help="Muon's peak learning rate (0: --lr)")
+    g.add_argument("--muon-momentum", type=float, default=d.muon_momentum)
 
 
 def training_parser(description: str = "Train a GPT on Tiny Shakespeare on any mesh.") -> ArgumentParser:
@@ -172,11 +179,12 @@ def configs_from_args(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
                               context_parallel_type=args.context_parallel_type, ulysses_size=args.ulysses_size,
                               tp_comm_overlap=args.tp_comm_overlap).validate()
     train = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size or 0,
+                        rampup_batch_size=tuple(args.rampup_batch_size or ()),
                         **{k: getattr(args, k) for k in (
                             "max_iters", "eval_interval", "eval_iters", "warmup_iters", "lr_decay_iters",
                             "log_interval", "save_interval", "keep_checkpoints", "seed", "lr", "min_lr",
                             "weight_decay", "grad_clip", "beta1", "beta2", "precision", "loss_scale",
-                            "loss_scale_window")}).validate()
+                            "loss_scale_window", "optimizer", "muon_lr", "muon_momentum")}).validate()
     return model, parallel, train
 
 

@@ -4,6 +4,7 @@ Every check here runs identically on every rank before any communication, so a b
 configuration becomes one error message and never a hang.
 """
 
+import functools
 import math
 from dataclasses import asdict, dataclass, fields
 
@@ -25,6 +26,7 @@ V_SHAPED = (ZB_V, DUALPIPE_V)
 RECOMPUTE = ("none", "selective", "full")
 LOAD_BALANCING = ("aux-loss", "bias")                          # docs/14-experts.md
 CONTEXT_PARALLEL_TYPES = ("ring", "ulysses", "hybrid")         # docs/13-context-parallelism.md
+OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,16 @@ class ParallelConfig:
         return {"ring": 1, "ulysses": context, "hybrid": self.ulysses_size}[self.context_parallel_type]
 
 
+def _check_muon(parallel, data: int, data_shard: int) -> None:
+    """Muon gathers each matrix over the whole ZeRO group (parallel/muon_owners.py); it is
+    not yet wired to hybrid sharding's smaller group nor to the two-level all-reduce."""
+    if data_shard and data_shard < data:
+        raise UserError(f"--optimizer muon does not yet run with hybrid sharding: drop --data-parallel-shard-size "
+                        f"({data_shard} < dp {data}) or use --optimizer adamw")
+    if parallel is not None and parallel.hierarchical_all_reduce:
+        raise UserError("--optimizer muon does not yet run with --hierarchical-all-reduce; use one or the other")
+
+
 def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
     """Everything that must divide for this model to run on a mesh (tp, pp, dp, cp):
     checked identically on every rank before any communication. `mesh` is a Mesh
@@ -155,6 +167,8 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
     if train is not None:
         check_precision(train.precision, model.dtype, train.loss_scale, train.loss_scale_window)
     _check_experts(model, parallel, data, context, expert=rest[0] if rest else 1)
+    if train is not None and train.optimizer == "muon":
+        _check_muon(parallel, data, rest[1] if len(rest) > 1 else 0)
     if parallel is not None and parallel.sequence_parallel:
         if tensor == 1:
             raise UserError("--sequence-parallel splits the sequence over tensor-parallel ranks: it needs "
@@ -198,6 +212,15 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
                         f"({2 * context}): each rank holds two chunks of every sequence (the zigzag split)")
     if train is not None:
         train.num_microbatches(data)
+        v_shaped = parallel is not None and parallel.v_shaped
+        train.check_rampup(data, pipeline, parallel is not None and parallel.virtual_stages > 1 and not v_shaped)
+        if v_shaped and train.rampup_batch_size \
+                and train.rampup_batch_size[0] // (train.micro_batch_size * data) < 2 * pipeline - 1:
+            raise UserError(f"--rampup-batch-size: the {parallel.schedule} schedule needs at least {2 * pipeline - 1} "
+                            f"micro-batches per step from the first one on; raise the ramp's start")
+        if train.rampup_batch_size and model.num_experts:
+            raise UserError("--rampup-batch-size changes the micro-batch count, which mixture-of-experts layers fix "
+                            "when they are built (their aux loss's weight); not combined yet")
 
 
 def _check_experts(model: ModelConfig, parallel, data: int, context: int, expert: int) -> None:
@@ -283,6 +306,16 @@ class TrainConfig:
     precision: str = "fp32"
     loss_scale: float = 0.0             # the initial loss scale; 0: the format's (fp16 2^16, else 1)
     loss_scale_window: int = 1000       # fp16: clean steps before the scale doubles
+    optimizer: str = "adamw"            # or "muon": hidden matrices orthogonalised (optim/muon.py)
+    muon_lr: float = 0.0                # 0: lr (Muon's update is scaled to AdamW's RMS)
+    muon_momentum: float = 0.95
+    # Megatron's --rampup-batch-size (start, increment, samples): the global batch grows
+    # from start by increment, evenly over the first `samples` samples; () : no ramp-up.
+    rampup_batch_size: tuple = ()
+
+    def __post_init__(self):
+        # A checkpoint's JSON gives a list back; a tuple keeps the config hashable.
+        object.__setattr__(self, "rampup_batch_size", tuple(self.rampup_batch_size or ()))
 
     def validate(self) -> "TrainConfig":
         _positive(self, "micro_batch_size", "max_iters", "eval_interval", "eval_iters", "log_interval", "keep_checkpoints")
@@ -293,9 +326,23 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise UserError(f"{name} must lie in [0, 1), got {getattr(self, name)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+        _finite(self, "muon_lr", "muon_momentum")
+        _non_negative(self, "muon_lr")
+        if not 0 <= self.muon_momentum < 1:
+            raise UserError(f"muon-momentum must lie in [0, 1), got {self.muon_momentum}")
+        if self.rampup_batch_size:
+            ramp = tuple(self.rampup_batch_size)
+            if len(ramp) != 3 or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in ramp):
+                raise UserError(f"--rampup-batch-size takes three positive integers (start, increment, samples), "
+                                f"got {self.rampup_batch_size!r}")
         if self.min_lr > self.lr:
             raise UserError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         check_precision(self.precision, "float32", self.loss_scale, self.loss_scale_window)
+        if self.optimizer == "muon" and self.precision != "fp32":
+            raise UserError(f"--optimizer muon keeps no fp32 master weights yet: use --precision fp32 with it "
+                            f"(not {self.precision})")
         return self
 
     def num_microbatches(self, data_parallel: int) -> int:
@@ -308,9 +355,45 @@ class TrainConfig:
                 f"x data-parallel size ({self.micro_batch_size} x {data_parallel})")
         return global_batch // per_step
 
+    def check_rampup(self, data_parallel: int, pipeline: int = 1, interleaved: bool = False) -> None:
+        """Every batch of the ramp cuts into whole micro-batches of every dp rank (and, for
+        the interleaved schedule, into groups of pp micro-batches)."""
+        if not self.rampup_batch_size:
+            return
+        start, increment, _ = self.rampup_batch_size
+        target, step = self.global_batch(data_parallel), self.micro_batch_size * data_parallel
+        step *= pipeline if interleaved else 1
+        if start % step or increment % step:
+            raise UserError(f"--rampup-batch-size: start ({start}) and increment ({increment}) must be multiples of "
+                            f"micro batch x data-parallel size{' x pipeline size (interleaved)' if interleaved else ''} "
+                            f"({step}): every step's batch is cut into whole micro-batches on every rank")
+        if start > target or (target - start) % increment:
+            raise UserError(f"--rampup-batch-size: the global batch size ({target}) must be start ({start}) plus a "
+                            f"whole number of increments ({increment})")
+
+    def global_batch_at(self, iteration: int, data_parallel: int) -> int:
+        """The global batch of `iteration`: Megatron's ramp-up (the batch grows by the
+        increment each time another samples / increments samples have been consumed),
+        then the global batch."""
+        return _ramp(self, data_parallel)[min(iteration, self.max_iters - 1)] if self.rampup_batch_size \
+            else self.global_batch(data_parallel)
+
     def global_batch(self, data_parallel: int) -> int:
         """Sequences per step: the flag, or one micro-batch per data-parallel rank."""
         return self.global_batch_size or self.micro_batch_size * data_parallel
+
+
+@functools.lru_cache(maxsize=8)
+def _ramp(cfg: "TrainConfig", data_parallel: int) -> tuple[int, ...]:
+    """The global batch of every iteration of a ramp-up, from the samples consumed before it."""
+    start, increment, samples = cfg.rampup_batch_size
+    target = cfg.global_batch(data_parallel)
+    per_increment = samples / max(1, (target - start) // increment)
+    sizes, consumed = [], 0
+    for _ in range(cfg.max_iters):
+        sizes.append(min(target, start + int(consumed / per_increment) * increment))
+        consumed += sizes[-1]
+    return tuple(sizes)
 
 
 def _flag(name: str) -> str:

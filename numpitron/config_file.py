@@ -17,6 +17,7 @@ OUT/config.toml` repeats it.
 """
 
 import argparse
+import copy
 import difflib
 import os
 from pathlib import Path
@@ -99,6 +100,12 @@ def _checked(action: argparse.Action, value, where: str):
         if isinstance(action, argparse.BooleanOptionalAction):
             return value
         return action.const if value else action.default
+    if isinstance(action.nargs, int):             # a fixed count of values: a TOML array
+        if not isinstance(value, list) or len(value) != action.nargs:
+            raise UserError(f"{where} must be an array of {action.nargs} values, got {value!r}")
+        single = copy.copy(action)
+        single.nargs = None
+        return [_checked(single, item, where) for item in value]
     kind = action.type or str
     ok = {int: isinstance(value, int) and not isinstance(value, bool),
           float: isinstance(value, (int, float)) and not isinstance(value, bool),
@@ -133,6 +140,8 @@ def config_toml(parser: argparse.ArgumentParser, args: argparse.Namespace, leave
 
 
 def _toml_value(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):

@@ -29,7 +29,7 @@ def check_fits(model_cfg, parallel_cfg, train_cfg, topo) -> None:
     against what this host has free."""
     from numpitron.plan.accounting import Rank, peak_activation_bytes, state_bytes
     rank = Rank.of(topo, parallel_cfg)
-    need = sum(state_bytes(model_cfg, parallel_cfg, rank).values()) \
+    need = sum(state_bytes(model_cfg, parallel_cfg, rank, train_cfg.optimizer).values()) \
         + peak_activation_bytes(model_cfg, parallel_cfg, train_cfg, rank)
     have = available_bytes()
     if have is not None and need > have:

@@ -72,7 +72,6 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
     first_iteration = trainer.iteration
     bar = _progress_bar(trainer.iteration, train_cfg.max_iters, progress and topo.is_logger and sys.stdout.isatty())
     plain = progress and bar is None
-    tokens_per_iter = trainer.global_batch_size * model_cfg.seq_len
     start, last_eval = time.perf_counter(), {}
     while trainer.iteration < train_cfg.max_iters:
         topo.stats.reset()
@@ -80,7 +79,9 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
         step = trainer.train_step(splits["train"])
         dt = time.perf_counter() - t0
         it = trainer.iteration          # iterations completed
-        record = {"iter": it, **step, "tokens_per_s": tokens_per_iter / dt, "elapsed_s": time.perf_counter() - start,
+        record = {"iter": it, **step, "global_batch_size": trainer.global_batch_size,
+                  "tokens_per_s": trainer.global_batch_size * model_cfg.seq_len / dt,
+                  "elapsed_s": time.perf_counter() - start,
                   "comm_bytes": topo.stats.total_bytes(),
                   # this rank's parameters, gradients, optimizer state and in-pass peaks (docs/12)
                   **{f"memory_{k}": v for k, v in memory_bytes(trainer.optimizer).items()}}

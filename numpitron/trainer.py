@@ -41,6 +41,7 @@ class Trainer:
                               recompute=parallel_cfg.recompute, loss_weight=1.0 / self.num_microbatches,
                               virtual_stages=parallel_cfg.virtual_stages, v_shape=parallel_cfg.v_shaped,
                               tp_comm_overlap=parallel_cfg.tp_comm_overlap)
+        self.eval_batch_size = self.global_batch_size       # evaluation always takes the full batch
         # Every rank learns if any stage holds a layer the schedule cannot run.
         on_every_rank(topo.world, lambda: check_backward_splits(self.model, parallel_cfg.schedule))
         # One per store of the model; `optimizer` is the dense parameters' (the only one
@@ -55,16 +56,24 @@ class Trainer:
         self.scaler = LossScaler(self.precision, train_cfg.loss_scale, train_cfg.loss_scale_window)
         self.iteration = 0          # number of completed optimizer steps
         self.best_val_loss = float("inf")
+        self.set_batch(0)
 
-    def microbatches(self, tokens, stream: str, index: int):
-        """This rank's share of global batch `index` of `stream`, as micro-batches: the
-        dp rank's rows, and of each row the cp rank's tokens (distributed/zigzag.py)."""
-        topo = self.topo
-        x, y = global_batch(tokens, self.train_cfg.seed, stream, index, self.global_batch_size,
-                            self.model_cfg.seq_len)
+    def set_batch(self, iteration: int) -> None:
+        """The global batch of `iteration` (it grows during a ramp-up: --rampup-batch-size)
+        and so the micro-batches per dp rank, whose losses the schedule weights 1/m."""
+        self.global_batch_size = self.train_cfg.global_batch_at(iteration, self.topo.dp)
+        self.num_microbatches = self.global_batch_size // (self.train_cfg.micro_batch_size * self.topo.dp)
+        self.model.loss_weight = 1.0 / self.num_microbatches
+
+    def microbatches(self, tokens, stream: str, index: int, batch_size: int | None = None):
+        """This rank's share of global batch `index` of `stream` (of the step's size unless
+        told), as micro-batches: the dp rank's rows, and of each row the cp rank's tokens
+        (distributed/zigzag.py)."""
+        topo, batch_size = self.topo, batch_size or self.global_batch_size
+        x, y = global_batch(tokens, self.train_cfg.seed, stream, index, batch_size, self.model_cfg.seq_len)
         mine = local_positions(self.model_cfg.seq_len, topo.cp, topo.cp_rank)
         x, y = x[:, mine], y[:, mine]
-        start, stop = shard_bounds(self.global_batch_size, topo.dp, topo.dp_rank)
+        start, stop = shard_bounds(batch_size, topo.dp, topo.dp_rank)
         mb = self.train_cfg.micro_batch_size
         return [(x[s:s + mb], y[s:s + mb]) for s in range(start, stop, mb)]
 
@@ -77,6 +86,7 @@ class Trainer:
         for optimizer in self.optimizers:
             optimizer.zero_grad()
         self.model.routing_log.reset()
+        self.set_batch(self.iteration)
         batches = self.microbatches(train_tokens, "train", self.iteration)
         mixed = self.precision.mixed
         loss_weight = self.model.loss_weight * (self.scaler.scale if mixed else 1.0)
@@ -139,7 +149,8 @@ class Trainer:
         for name, tokens in splits.items():
             losses = []
             for k in range(eval_iters):
-                losses += forward_only(self.model, self.topo, self.microbatches(tokens, f"eval-{name}", k),
+                losses += forward_only(self.model, self.topo,
+                                       self.microbatches(tokens, f"eval-{name}", k, self.eval_batch_size),
                                        self.parallel_cfg.schedule)
             out[name] = self.mean_loss(losses)
         return out

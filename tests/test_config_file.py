@@ -67,6 +67,8 @@ def test_every_flag_has_a_key_in_its_help_group_and_the_written_file_reads_back(
                         else action.const)
             elif action.choices:
                 setattr(changed, action.dest, [c for c in action.choices if c != action.default][0])
+            elif isinstance(action.nargs, int):         # a fixed count of values (--rampup-batch-size)
+                setattr(changed, action.dest, [action.type(k + 3) for k in range(action.nargs)])
             elif action.type in (int, float):
                 setattr(changed, action.dest, action.type((action.default or 0) + 3))
             else:

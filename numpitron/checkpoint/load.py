@@ -76,12 +76,22 @@ def open_reader(path: Path, manifest: dict) -> ShardedReader:
     return ShardedReader(path, manifest)
 
 
+def check_same_optimizer(path: Path, manifest: dict, optimizer: str) -> None:
+    """Muon keeps a momentum and AdamW two moments per element: a run resumes with the
+    optimizer whose state was saved (a checkpoint without the key is AdamW's)."""
+    saved = (manifest.get("train_config") or {}).get("optimizer", "adamw")
+    if saved != optimizer:
+        raise UserError(f"{path} holds the state of --optimizer {saved}; resume it with --optimizer {saved} "
+                        f"(not {optimizer})")
+
+
 def _load_training_state(path: Path, trainer) -> dict:
     manifest = read_manifest(path)
     check_model_config(manifest, trainer.model_cfg)
     for key in ("iteration", "adam_step"):
         if not isinstance(manifest[key], int) or manifest[key] < 0:
             raise UserError(f"corrupt checkpoint manifest in {path}: {key} is {manifest[key]!r}")
+    check_same_optimizer(path, manifest, trainer.train_cfg.optimizer)
     reader = open_reader(path, manifest)
     model = trainer.model
     bias = saved_routing_bias(manifest, model, path)

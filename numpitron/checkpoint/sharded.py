@@ -8,7 +8,7 @@
 
 A rank's pieces are its optimizer's `state.save_range()` of the stage's flat buffers
 (its ZeRO slice; replicas split the writing the same way), cut at parameter
-boundaries. A piece's "kind" is the flat buffer it comes from (`FLAT_BUFFERS`). A
+boundaries. A piece's "kind" is the flat buffer it comes from (`state.buffers`). A
 piece is a flat range [start, stop) of one tensor's tp-local shard (tp rank t of
 tp_size): the layout the writer held, recorded so that a reader on another mesh can
 rebuild the logical tensor. Each tensor is written once: a tp-replicated one by tp
@@ -29,7 +29,7 @@ from numpitron.checksum import file_crc32
 from numpitron.distributed.sharding import pad_to_multiple, shard_bounds
 from numpitron.errors import UserError
 from numpitron.nn.param import pad_to_full
-from numpitron.optim.training_state import FLAT_BUFFERS
+from numpitron.optim.training_state import FLAT_BUFFERS, KNOWN_BUFFERS, MUON_BUFFER
 
 SHARDS = "shards"
 
@@ -70,7 +70,7 @@ def write_shard(directory: Path, rank: int, sources) -> dict:
                     continue
                 tensors[p.name] = {"shape": list(p.logical_shape), "full_shape": list(p.full_shape),
                                    "split_axis": p.split_axis, "dtype": store.dtype.name}
-                for buffer in FLAT_BUFFERS:
+                for buffer in values:                   # FLAT_BUFFERS, and Muon's momentum if kept
                     piece = np.ascontiguousarray(values[buffer][start - lo:stop - lo])
                     f.write(piece.tobytes())
                     pieces.append({"kind": buffer, "name": p.name, "tp_rank": p.tp_rank, "tp_size": p.tp_size,
@@ -196,7 +196,7 @@ def check_tables(path: Path, tensors: dict, files: dict, pieces: list) -> None:
     for piece in pieces:
         if not isinstance(piece, dict) or any(type(piece.get(k)) is not t for k, t in PIECE_FIELDS.items()):
             bad(f"a piece lacks one of {', '.join(PIECE_FIELDS)}")
-        if piece["kind"] not in FLAT_BUFFERS or piece["name"] not in tensors or piece["file"] not in files:
+        if piece["kind"] not in KNOWN_BUFFERS or piece["name"] not in tensors or piece["file"] not in files:
             bad(f"a piece names an unknown kind, tensor or file: {piece['kind']} {piece['name']} {piece['file']}")
         total, split, itemsize = sizes[piece["name"]]
         tp_size, tp_rank = piece["tp_size"], piece["tp_rank"]
@@ -210,8 +210,10 @@ def check_tables(path: Path, tensors: dict, files: dict, pieces: list) -> None:
         ranges.setdefault((piece["kind"], piece["name"]), {}).setdefault(shard, []).append(
             (piece["start"], piece["stop"]))
         tp_sizes.setdefault((piece["kind"], piece["name"]), set()).add(tp_size)
+    # Every checkpoint holds the FLAT_BUFFERS; a Muon run's holds its momentum as well.
+    kinds = FLAT_BUFFERS + ((MUON_BUFFER,) if any(kind == MUON_BUFFER for kind, _ in ranges) else ())
     for name, meta in tensors.items():
-        for kind in FLAT_BUFFERS:
+        for kind in kinds:
             _check_coverage(bad, kind, name, meta, ranges.get((kind, name), {}), tp_sizes.get((kind, name), set()))
 
 

@@ -173,6 +173,29 @@ class Comm:
             full[...] = shard
         return full
 
+    def gatherv(self, mine: np.ndarray, full: np.ndarray | None, counts: list[int], root: int) -> None:
+        """Concatenate every rank's piece (`counts` elements each, in rank order) into
+        `full` on `root` (None elsewhere). Counted as the bytes this rank sends to
+        another rank: its piece, or nothing on the root (Muon's owners, docs/12)."""
+        if self.size == 1:
+            full[...] = mine
+            return
+        displacements = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+        spec = [full, (list(counts), displacements)] if self.rank == root else None
+        self._timed("gather", 0 if self.rank == root else mine.nbytes, lambda: self.mpi.Gatherv(mine, spec, root=root))
+
+    def scatterv(self, full: np.ndarray | None, mine: np.ndarray, counts: list[int], root: int) -> None:
+        """The inverse of `gatherv`: rank r receives piece r of `full` (on `root`) into
+        `mine`. Counted as the bytes this rank sends to another rank: on the root, every
+        piece but its own."""
+        if self.size == 1:
+            mine[...] = full
+            return
+        displacements = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+        spec = [full, (list(counts), displacements)] if self.rank == root else None
+        sent = full.nbytes - mine.nbytes if self.rank == root else 0
+        self._timed("scatter", sent, lambda: self.mpi.Scatterv(spec, mine, root=root))
+
     def all_to_all(self, send: np.ndarray) -> np.ndarray:
         """Equal blocks: send[r] goes to rank r; returns recv, recv[r] from rank r."""
         recv = np.empty_like(send) if self.size > 1 else send.copy()

@@ -44,6 +44,10 @@ class AdamW:
         self.v[...] = v
         self.step_count = step_count
 
+    def flat_state(self) -> dict:
+        """The moments by their checkpoint names, laid out like the updated slice."""
+        return {"adam_m": self.m, "adam_v": self.v}
+
     @property
     def state_nbytes(self) -> int:
         return self.m.nbytes + self.v.nbytes

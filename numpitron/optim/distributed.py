@@ -77,6 +77,11 @@ class DistributedOptimizer:
             self.precision.round_(store.data)
         self.state = None           # a TrainingState, set by each implementation
 
+    def use_rule(self, rule) -> None:
+        """Replace AdamW by another rule with its interface over the same slice (Muon:
+        parallel/muon_owners.py); the checkpoint layout follows it."""
+        self.adam = self.state.adam = rule
+
     @property
     def params(self) -> np.ndarray:
         """The parameter values this rank keeps between passes: the whole stage (ZeRO-3

@@ -38,6 +38,9 @@ class MasterWeightAdam:
     def step_count(self, value: int) -> None:
         self.adam.step_count = value
 
+    def flat_state(self) -> dict:
+        return self.adam.flat_state()
+
     def load_state(self, m, v, step_count: int) -> None:
         self.adam.load_state(m, v, step_count)
 

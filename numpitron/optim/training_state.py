@@ -2,10 +2,12 @@
 and loads of it (checkpoint/sharded.py, load.py), and what an export gathers.
 
 A checkpoint holds three flat buffers, each laid out like the store's parameters
-(`ParamStore`): the parameters and Adam's two moments (`FLAT_BUFFERS`). A *range* is a
-half-open [lo, hi) of that layout. The optimizer keeps each buffer on one range: the
-moments on the slice [lo, hi) it updates, the parameters on the whole stage (every
-replica holds them) or, under ZeRO-3, on the same slice.
+(`ParamStore`): the parameters and Adam's two moments (`FLAT_BUFFERS`); with Muon a
+fourth, its momentum (`MUON_BUFFER`, zero where AdamW updates, as Adam's moments are
+zero on Muon's matrices: optim/muon.py). A *range* is a half-open [lo, hi) of that
+layout. The optimizer keeps each buffer on one range: the moments on the slice [lo, hi)
+it updates, the parameters on the whole stage (every replica holds them) or, under
+ZeRO-3, on the same slice. `buffers` names the ones this optimizer keeps.
 
     save_range()              the range this rank writes: its ZeRO slice (without
                               ZeRO the replicas split the writing the same way; under
@@ -22,6 +24,8 @@ from numpitron.distributed.comm import Comm
 from numpitron.distributed.sharding import balanced_bounds
 
 FLAT_BUFFERS = ("params", "adam_m", "adam_v")
+MUON_BUFFER = "muon_m"
+KNOWN_BUFFERS = FLAT_BUFFERS + (MUON_BUFFER,)          # every kind a checkpoint may hold
 
 
 class TrainingState:
@@ -37,7 +41,11 @@ class TrainingState:
         self.copies = copies or Comm(None, None, "copies")
         self.lo, self.params, self.params_lo, self.after_load = lo, params, params_lo, after_load
 
-    def _held(self, buffer: str) -> tuple[np.ndarray, int]:
+    @property
+    def buffers(self) -> tuple[str, ...]:
+        return ("params",) + tuple(self.adam.flat_state())
+
+    def _held(self, buffer: str, moments: dict | None = None) -> tuple[np.ndarray, int]:
         """The values the optimizer keeps of `buffer`, and where they start in the layout.
         A mixed-precision run's parameters are its fp32 master weights (on the moments'
         slice), never their low-format rounding: a checkpoint loads in any precision."""
@@ -46,7 +54,7 @@ class TrainingState:
             return master, self.lo
         if buffer == "params":
             return self.params, self.params_lo
-        return (self.adam.m if buffer == "adam_m" else self.adam.v), self.lo
+        return (moments or self.adam.flat_state())[buffer], self.lo
 
     def save_range(self) -> tuple[int, int]:
         lo, hi = balanced_bounds(self.store.size, self.comm.size, self.comm.rank)
@@ -54,20 +62,21 @@ class TrainingState:
         return lo + start, lo + stop
 
     def values_in_range(self, lo: int, hi: int) -> dict:
-        hi_moments = self.lo + self.adam.m.size
+        moments = self.adam.flat_state()
+        hi_moments = self.lo + moments["adam_m"].size
         if not (self.lo <= lo <= hi <= hi_moments):
             raise ValueError(f"[{lo}, {hi}) is outside this rank's [{self.lo}, {hi_moments})")
         values = {}
-        for buffer in FLAT_BUFFERS:
-            held, start = self._held(buffer)
+        for buffer in self.buffers:
+            held, start = self._held(buffer, moments)
             values[buffer] = held[lo - start:hi - start]
         return values
 
     def load_ranges(self) -> list[tuple[str, int, int]]:
         """The parameters over all this rank uses (a master copy lies within them)."""
-        ranges = [("params", self.params_lo, self.params_lo + self.params.size)]
-        for buffer in FLAT_BUFFERS[1:]:
-            held, start = self._held(buffer)
+        ranges, moments = [("params", self.params_lo, self.params_lo + self.params.size)], self.adam.flat_state()
+        for buffer in self.buffers[1:]:
+            held, start = self._held(buffer, moments)
             ranges.append((buffer, start, start + held.size))
         return ranges
 
@@ -80,7 +89,7 @@ class TrainingState:
         if master is not None:          # the saved values are the master; the layers use their rounding
             master[...] = self.params[self.lo - self.params_lo:self.lo - self.params_lo + master.size]
             self.adam.fmt.round_(self.params)
-        self.adam.load_state(read_range(*ranges[1]), read_range(*ranges[2]), step_count)
+        self.adam.load_state(*[read_range(*r) for r in ranges[1:]], step_count)
         if self.after_load is not None:
             self.after_load()
 

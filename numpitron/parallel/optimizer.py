@@ -3,6 +3,7 @@ numpitron/optim/distributed.py)."""
 
 from numpitron.optim.distributed import GradientGroup
 from numpitron.parallel.data_parallel import DataParallelOptimizer, HierarchicalDataParallelOptimizer
+from numpitron.parallel.muon_owners import use_muon
 from numpitron.parallel.zero import ZeroOneOptimizer, ZeroTwoOptimizer
 from numpitron.parallel.zero3 import ZeroThreeOptimizer
 
@@ -10,11 +11,16 @@ OPTIMIZERS = {0: DataParallelOptimizer, 1: ZeroOneOptimizer, 2: ZeroTwoOptimizer
 
 
 def make_optimizer(store, topo, train_cfg, parallel_cfg, group: GradientGroup | None = None):
-    """Built after the model: an optimizer that shards pads the store itself."""
+    """Built after the model: an optimizer that shards pads the store itself. With
+    --optimizer muon its update rule is Muon's, whatever the ZeRO stage (config.py
+    refuses it with hybrid sharding, the two-level all-reduce and mixed precision)."""
     chosen = OPTIMIZERS[parallel_cfg.zero_stage]
     if parallel_cfg.hierarchical_all_reduce:         # plain dp only (config.py)
         chosen = HierarchicalDataParallelOptimizer
-    return chosen(store, topo, train_cfg, parallel_cfg, group)
+    optimizer = chosen(store, topo, train_cfg, parallel_cfg, group)
+    if train_cfg.optimizer == "muon":
+        use_muon(optimizer, topo, train_cfg)
+    return optimizer
 
 
 def make_optimizers(model, topo, train_cfg, parallel_cfg) -> list:

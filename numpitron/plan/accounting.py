@@ -20,6 +20,7 @@ from numpitron.nn.activation_memory import block_activation_bytes
 from numpitron.nn.block import Block
 from numpitron.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from numpitron.nn.head import LanguageModelHead
+from numpitron.optim.muon import is_hidden_matrix
 from numpitron.parallel.schedules import BACKWARD, FORWARD, WEIGHT_GRAD, make_schedule, placement_of
 
 F64 = 8          # the loss and the squared gradient norm travel as one float64
@@ -51,6 +52,12 @@ class Rank:
     def shard_group(self) -> int:
         """Ranks ZeRO shards over: cp x S (dp_shard)."""
         return (self.dp_shard or self.dp) * self.cp
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's place in its shard group, whose slice [r/g, (r+1)/g) it keeps: dp
+        ranks come in replicas of S consecutive ones (distributed/topology.py)."""
+        return self.dp_rank % (self.dp_shard or self.dp) * self.cp + self.cp_rank
 
     @property
     def replicas(self) -> int:
@@ -136,9 +143,43 @@ def block_elements(model, tp: int) -> int:
     return layer_elements(model, tp)["block"][0]
 
 
-def state_bytes(model, parallel, rank: Rank) -> dict:
+@cache
+def block_matrix_spans(model, tp: int) -> tuple[int, tuple]:
+    """A block's elements on one tp rank, and the [start, stop) within it of each matrix
+    Muon updates (optim/muon.py: `is_hidden_matrix`), in the order of the flat buffer."""
+    block, spans, offset = Block("blocks.0", model.d_model, model.n_heads, model.n_layers, Topology(None, tp, 1, 1)), [], 0
+    for p in block.parameters():
+        n = math.prod(p.local_shape)
+        if is_hidden_matrix(p):
+            spans.append((offset, offset + n))
+        offset += n
+    return offset, tuple(spans)
+
+
+def muon_elements(model, rank: Rank, lo: int, hi: int) -> int:
+    """Elements of Muon's matrices inside [lo, hi) of this rank's stage: the stage's
+    flat buffer is the token embedding (first and last stage), the positions (first),
+    then the blocks, then ln_f (last)."""
+    layers = layer_elements(model, rank.tp)
+    start = layers["token"][0] * (rank.first or rank.last) + layers["position"][0] * rank.first
+    block, spans = block_matrix_spans(model, rank.tp)
+    inside = 0
+    for k in range(model.n_layers // rank.pp):
+        for a, b in spans:
+            a, b = start + k * block + a, start + k * block + b
+            inside += max(0, min(b, hi) - max(a, lo))
+    return inside
+
+
+def optimizer_state_elements(model, rank: Rank, lo: int, hi: int, optimizer: str) -> int:
+    """AdamW keeps two moments per element of [lo, hi); Muon one on its matrices."""
+    return 2 * (hi - lo) - (muon_elements(model, rank, lo, hi) if optimizer == "muon" else 0)
+
+
+def state_bytes(model, parallel, rank: Rank, optimizer: str = "adamw") -> dict:
     """The optimizer's `memory_bytes` on this rank (Rajbhandari et al. 2020, Fig. 1).
-    Kept all run: parameters, gradients, Adam's m and v. ZeRO pads the flat buffer to
+    Kept all run: parameters, gradients, Adam's m and v (Muon: one moment on its
+    matrices, `optimizer_state_elements`). ZeRO pads the flat buffer to
     a multiple of the shard group g = S x cp (S = dp unless hybrid sharding makes it
     smaller; `--hierarchical-all-reduce` pads plain dp's the same way) and keeps 1/g
     of: m and v (stage 1, which adds
@@ -151,16 +192,18 @@ def state_bytes(model, parallel, rank: Rank) -> dict:
     size = parameter_elements(model, rank)[0]
     if stage == 0:
         size = pad_to_multiple(size, group) if parallel.hierarchical_all_reduce else size
-        return {"params": size * item, "grads": size * item, "optimizer_state": 2 * size * item,
+        return {"params": size * item, "grads": size * item,
+                "optimizer_state": optimizer_state_elements(model, rank, 0, size, optimizer) * item,
                 "gathered_params_peak": 0, "backward_grads_peak": 0}
     padded = pad_to_multiple(size, group)
-    shard = padded // group
+    shard, group_rank = padded // group, rank.shard_rank
     blocks = model.n_layers // rank.pp
     whole = min(2 if parallel.overlap_grad_reduce else 1, blocks)        # no prefetch: one at a time
     in_pass = padded - blocks * block_elements(model, rank.tp) + whole * block_elements(model, rank.tp)
     return {"params": (shard if stage == 3 else padded) * item,
             "grads": (shard + (padded if stage == 1 else 0)) * item,
-            "optimizer_state": 2 * shard * item,
+            "optimizer_state": optimizer_state_elements(model, rank, group_rank * shard, (group_rank + 1) * shard,
+                                                        optimizer) * item,
             "gathered_params_peak": in_pass * item if stage == 3 else 0,
             "backward_grads_peak": {1: 0, 2: padded, 3: in_pass}[stage] * item}
 
