@@ -61,6 +61,8 @@ def test_every_flag_has_a_key_in_its_help_group_and_the_written_file_reads_back(
         for action in keys.values():
             if action.nargs == 0:
                 setattr(changed, action.dest, action.const)
+            elif isinstance(action.nargs, int):        # a fixed count of values: a TOML array
+                setattr(changed, action.dest, [action.type(k + 3) for k in range(action.nargs)])
             elif action.choices:
                 setattr(changed, action.dest, [c for c in action.choices if c != action.default][0])
             elif action.type in (int, float):
