@@ -33,25 +33,29 @@ def parser():
 
 
 def main(argv=None) -> int:
+    import math
     from pathlib import Path
 
     from mpi4py import MPI
 
     from numpitron.checkpoint import latest_checkpoint, load_model_weights, read_manifest
+    from numpitron.checkpoint.load import manifest_model_config
     from numpitron.cli import mesh_from_args
-    from numpitron.config import ModelConfig, from_dict
     from numpitron.data.tokenizer import CharTokenizer
     from numpitron.distributed.topology import Topology
     from numpitron.errors import UserError
     from numpitron.generate import generate
+    from numpitron.memory import check_generation_fits, check_model_fits
     from numpitron.model import GPTStage
 
     args = parser().parse_args(argv)
     for name in ("max_new_tokens", "num_samples"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be positive")
-    if args.temperature < 0 or (args.top_k is not None and args.top_k < 1):
-        raise UserError("--temperature must be >= 0 and --top-k positive")
+    if not math.isfinite(args.temperature) or args.temperature < 0 or (args.top_k is not None and args.top_k < 1):
+        raise UserError("--temperature must be a finite number >= 0 and --top-k positive")
+    if args.seed < 0:
+        raise UserError(f"--seed must not be negative, got {args.seed}")
     if not args.prompt:
         raise UserError("--prompt must not be empty")
     if args.context_parallel_size != 1:
@@ -65,9 +69,11 @@ def main(argv=None) -> int:
     else:       # e.g. a checkpoint imported from an .npz archive
         tokenizer = CharTokenizer.load(Path(args.data_dir) / "tokenizer.json")
     prompt = tokenizer.encode(args.prompt)
-    model_cfg = from_dict(ModelConfig, manifest["model_config"]).validate()
+    model_cfg = manifest_model_config(manifest, path)
     world = MPI.COMM_WORLD
-    topo = Topology.from_mesh(world, mesh_from_args(args, world.Get_size(), model_cfg, None))
+    topo = Topology.from_mesh(world, mesh_from_args(args, world.Get_size(), model_cfg, None), args.collective_timeout)
+    check_model_fits(model_cfg, topo, what=f"sampling from {path}")
+    check_generation_fits(model_cfg, topo, args.num_samples, len(prompt) + args.max_new_tokens)
     model = GPTStage(model_cfg, topo)
     load_model_weights(path, model, model_cfg)
     ids = generate(model, prompt, args.max_new_tokens, args.num_samples, args.temperature, args.top_k, args.seed)

@@ -61,15 +61,15 @@ def measure(attn, x, dy, reps: int) -> dict:
     T, cp = x.shape[1], attn.cp.size
     size = T // 2 if attn.chunks is zigzag_chunks else T
     pairs = set()                 # a chunk pair is computed when any of its query tiles sees a key of it
-    for step, saved in enumerate(cache["saved"]):
+    for step, groups in enumerate(cache["groups"]):
         owner = (attn.cp_rank - step) % cp
-        for qc, end, _, _ in saved:
+        for group in groups:
             for kc in attn.chunks(T, cp, owner):
-                if kc.start < end:
-                    q_chunk = qc.position // size
+                if kc.start < group.key_end:
+                    q_chunk = group.queries.position // size
                     pairs.add((step, q_chunk, kc.position // size, kc.position // size == q_chunk))
     pairs = sorted(pairs)
-    kept = cache_nbytes([s[2] for saved in cache["saved"] for s in saved])
+    kept = cache_nbytes([group.probs for groups in cache["groups"] for group in groups])
     return {"busy_ms": 1e3 * float(np.median(busy_s[1:])), "wall_ms": 1e3 * float(np.median(wall_s[1:])),
             "pairs": pairs, "probs_bytes": kept}
 

@@ -188,6 +188,8 @@ def main():
             "bubble": bubble(plt, iters), "layouts": layouts(plt, iters), "memory_zero": memory(plt)}
     subprocess.run(launch(2, "benchmarks/pipeline_timeline.py", ["--out", "docs/pipeline_timeline.svg"]),
                    check=True, cwd=REPO, capture_output=True)
+    subprocess.run(launch(1, "benchmarks/pipeline_timeline.py", ["--ideal", "4", "--out", "docs/pipeline_ideal.svg"]),
+                   check=True, cwd=REPO, capture_output=True)
     data["context_parallel_blocks"] = context_parallel_blocks()
     data["routing"] = routing(Path(args.data_dir).resolve(), 200 if args.quick else 2000)
     (FIGURES / "figures.json").write_text(json.dumps(data, indent=1) + "\n")

@@ -117,13 +117,12 @@ def layernorm_by_reductions(ln, x, dy):
     """The library's LayerNorm passes, with NumPy's reductions where it now calls BLAS
     (row means; the two column sums of the weight half)."""
     mean = x.mean(axis=-1, keepdims=True)
-    xhat = x - mean
-    y = np.multiply(xhat, xhat)
-    var = y.mean(axis=-1, keepdims=True)
+    centred = x - mean
+    var = (centred * centred).mean(axis=-1, keepdims=True)
     var += ln.eps
     rstd = np.reciprocal(np.sqrt(var, out=var), out=var)
-    xhat *= rstd
-    np.multiply(xhat, ln.weight.data, out=y)
+    xhat = np.multiply(centred, rstd, out=centred)
+    y = xhat * ln.weight.data
     y += ln.bias.data
     w, inv_c = ln.weight.data, 1.0 / x.shape[1]
     dy_xhat = dy * xhat
@@ -131,7 +130,7 @@ def layernorm_by_reductions(ln, x, dy):
     mean_g, mean_gx = (dy @ w)[:, None] * inv_c, (dy_xhat @ w)[:, None] * inv_c
     g = dy * w
     g -= mean_g
-    g -= np.multiply(xhat, mean_gx, out=dy_xhat)
+    g -= xhat * mean_gx
     g *= rstd
     return y, g, sums
 

@@ -1,7 +1,12 @@
 """Draw one real pipeline iteration per stage for each schedule (GPipe, 1F1B,
-interleaved 1F1B with 2 virtual stages, zero-bubble ZB-H1), as an SVG.
+interleaved 1F1B with 2 virtual stages, zero-bubble ZB-H1, ZB-V, DualPipeV), as an SVG.
 
     mpiexec -n 2 python benchmarks/pipeline_timeline.py --out docs/pipeline_timeline.svg
+    python benchmarks/pipeline_timeline.py --ideal 4 --out docs/pipeline_ideal.svg
+
+With --ideal p, no process runs: the schedules' unit-cost timelines on p stages come
+from the simulator (parallel/schedules.py, simulate), a forward, an input half and a
+weight half of a whole stage each costing 1 (a chunk of a V half of that).
 
 Every stage records when each operation of each micro-batch started and ended
 (PipelineStats.events); rank 0 gathers them and draws a row per stage: the gaps are
@@ -26,7 +31,7 @@ from numpitron.parallel.schedules import closed_form_bubble  # noqa: E402
 
 COLORS = {"F": "#4c78a8", "BW": "#f58518", "B": "#e45756", "W": "#54a24b"}
 SCHEDULES = (("gpipe", 1, "GPipe"), ("1f1b", 1, "1F1B"), ("interleaved", 2, "interleaved 1F1B, v = 2"),
-             ("zero-bubble", 1, "zero-bubble (ZB-H1)"))
+             ("zero-bubble", 1, "zero-bubble (ZB-H1)"), ("zb-v", 2, "ZB-V"), ("dualpipev", 2, "DualPipeV"))
 ROW_H, LEFT, WIDTH = 26, 70, 900
 
 
@@ -49,13 +54,28 @@ def record_iteration(schedule: str, virtual: int, microbatches: int, warmup: int
     return topo, per_stage
 
 
+def simulated_iteration(schedule: str, virtual: int, stages: int, microbatches: int):
+    """The unit-cost timeline, in the shape `record_iteration` gathers: per stage
+    (events, wall, peak), events (action, micro-batch, start, end, chunk)."""
+    from numpitron.parallel.schedules import make_schedule, peak_in_flight, placement_of, simulate
+
+    placement = placement_of(schedule, stages, virtual)
+    lists = [make_schedule(schedule, microbatches, stages, r, placement.v) for r in range(stages)]
+    times = {}
+    simulate(lists, microbatches, placement.v, v_shape=placement.v_shape, events=times)
+    wall = float(max(end for _, end in times.values()))
+    return [([(op.action, op.microbatch, float(times[op, r][0]), float(times[op, r][1]), op.chunk) for op in ops],
+             wall, peak_in_flight(ops)) for r, ops in enumerate(lists)]
+
+
 def _world_size() -> int:
     from mpi4py import MPI
     return MPI.COMM_WORLD.Get_size()
 
 
-def draw(panels, microbatches: int) -> str:
-    """panels: [(schedule, v, title, per_stage)], per_stage = [(events, wall_s, peak)] by stage."""
+def draw(panels, microbatches: int, ideal: bool = False) -> str:
+    """panels: [(schedule, v, title, per_stage)], per_stage = [(events, wall_s, peak)] by
+    stage; ideal: unit-cost timelines (times in units, not seconds)."""
     stages = len(panels[0][3])
     panel_h = (stages + 2) * ROW_H
     height = panel_h * len(panels) + 46
@@ -68,9 +88,9 @@ def draw(panels, microbatches: int) -> str:
         busy = [sum(event[3] - event[2] for event in events) for events, _, _ in per_stage]
         bubble = 1 - sum(busy) / sum(wall for _, wall, _ in per_stage)
         formula = closed_form_bubble(schedule, stages, microbatches, virtual)
-        svg.append(f'<text x="{LEFT}" y="{top}" font-weight="bold">{title}: measured bubble '
+        svg.append(f'<text x="{LEFT}" y="{top}" font-weight="bold">{title}: {"" if ideal else "measured "}bubble '
                    f'{bubble:.1%}, formula {formula:.1%}; peak in flight per stage '
-                   f'{[peak for _, _, peak in per_stage]}</text>')
+                   f'{[peak for _, _, peak in per_stage]}{" chunks" if virtual > 1 else ""}</text>')
         for s, (events, wall, _) in enumerate(per_stage):
             y = top + 10 + s * ROW_H
             svg.append(f'<text x="5" y="{y + 16}">stage {s}</text>')
@@ -81,11 +101,14 @@ def draw(panels, microbatches: int) -> str:
                 svg.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{ROW_H - 6}" fill="{COLORS[op]}" '
                            f'stroke="white"/><text x="{x + 2:.1f}" y="{y + 14}" fill="white" font-size="9">'
                            f'{label}</text>')
+    across = f"{longest:g} units (a stage's forward: 1)" if ideal else f"{longest * 1e3:.0f} ms"
     svg.append(f'<text x="{LEFT}" y="{height - 24}">blue: forward, orange: whole backward, red: its input half B, '
                f'green: its weight half W, grey: idle (waiting for a neighbour); labels: micro-batch[:chunk]; '
-               f'{longest * 1e3:.0f} ms across</text>')
-    svg.append(f'<text x="{LEFT}" y="{height - 8}" font-size="9" fill="#555">mpiexec -n {stages} python '
-               f'benchmarks/pipeline_timeline.py on {platform.machine()}, {os.cpu_count()} cores</text>')
+               f'{across} across</text>')
+    made = (f"python benchmarks/pipeline_timeline.py --ideal {stages} --microbatches {microbatches}: the simulator, "
+            f"unit costs" if ideal else f"mpiexec -n {stages} python benchmarks/pipeline_timeline.py on "
+            f"{platform.machine()}, {os.cpu_count()} cores")
+    svg.append(f'<text x="{LEFT}" y="{height - 8}" font-size="9" fill="#555">{made}</text>')
     svg.append("</svg>")
     return "\n".join(svg)
 
@@ -94,7 +117,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--out", default="docs/pipeline_timeline.svg")
+    parser.add_argument("--ideal", type=int, metavar="P", help="draw the unit-cost timelines of P stages instead")
     args, _ = parser.parse_known_args()
+    if args.ideal:
+        panels = [(schedule, virtual, title, simulated_iteration(schedule, virtual, args.ideal, args.microbatches))
+                  for schedule, virtual, title in SCHEDULES]
+        Path(args.out).write_text(draw(panels, args.microbatches, ideal=True))
+        print(f"wrote {args.out}")
+        return
     panels = []
     for schedule, virtual, title in SCHEDULES:
         topo, per_stage = record_iteration(schedule, virtual, args.microbatches)

@@ -183,7 +183,7 @@ def main():
     add("  tied head matmuls", 1, profile_layer(model.head.head, h, gradient_like(model.head.head.forward(h)[0], 6)))
     add("model (whole)", 1, profile_layer(model, ids, 1.0, targets=targets))
     # The element-wise kernels, on the shapes the blocks give them
-    groups = [probs for step in block.attn.forward(h)[1]["saved"] for _, _, probs, _ in step]
+    groups = [group.probs for step in block.attn.forward(h)[1]["groups"] for group in step]
     slope = bias_gelu_forward(hidden.copy(), fc_bias)[1]
     dhidden = gradient_like(hidden, 8)
     # Every softmax group of one block (nn/blockwise_attention.py); its backward is two

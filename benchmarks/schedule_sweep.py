@@ -3,9 +3,10 @@ pipeline schedule, for p = 2 and 4 over several m, as a Markdown table.
 
     python benchmarks/schedule_sweep.py > /tmp/schedules.md
 
-Each row is one `benchmarks/benchmark.py` run (8 layers, so interleaving with v = 2 gives
-every chunk whole blocks; micro-batches of 4; medians over --iters iterations) under
-mpiexec; m is a multiple of p, which interleaving needs.
+Each row is one `benchmarks/benchmark.py` run (8 layers, so interleaving with v = 2 and
+the V give every chunk whole blocks; micro-batches of 4; medians over --iters
+iterations) under mpiexec; m is a multiple of p, which interleaving needs, and the V
+schedules run only where m >= 2p - 1. --schedules and --stages pick a part of the table.
 """
 
 import argparse
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero-bubble", 1))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero-bubble", 1), ("zb-v", 2), ("dualpipev", 2))
 
 
 def run(p: int, m: int, schedule: str, virtual: int, iters: int) -> dict:
@@ -30,13 +31,17 @@ def run(p: int, m: int, schedule: str, virtual: int, iters: int) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=8)
+    parser.add_argument("--schedules", nargs="+", default=[name for name, _ in SCHEDULES])
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
     print("| p | m | schedule | bubble measured | bubble formula | peak in flight per stage "
           "| peak activations, stage 0 / max | tokens/s |")
     print("| ---: | ---: | --- | ---: | ---: | --- | --- | ---: |")
-    for p in (2, 4):
+    for p in args.stages:
         for m in (p, 2 * p, 4 * p):
             for schedule, virtual in SCHEDULES:
+                if schedule not in args.schedules or (schedule in ("zb-v", "dualpipev") and m < 2 * p - 1):
+                    continue
                 r = run(p, m, schedule, virtual, args.iters)
                 act = r["peak_activation_bytes_per_rank"]
                 name = schedule + (f", v = {virtual}" if virtual > 1 else "")

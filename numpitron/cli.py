@@ -2,8 +2,11 @@
 them (and the MPI world) into validated configs and a Topology."""
 
 import argparse
+import math
 
+from numpitron.config import CONTEXT_PARALLEL_TYPES
 from numpitron.config import DTYPES, OPTIMIZERS, RECOMPUTE, SCHEDULES, ZERO_STAGES, ModelConfig, ParallelConfig, TrainConfig, check_layout
+from numpitron.distributed.watchdog import DEFAULT_TIMEOUT_S
 from numpitron.errors import UserError
 
 
@@ -46,6 +49,9 @@ def add_mesh_flags(p: argparse.ArgumentParser) -> None:
                    help="data-parallel ranks that split the experts among them (must divide dp)")
     g.add_argument("--blas-threads", type=int, default=1,
                    help="BLAS threads per rank (read before NumPy starts)")
+    g.add_argument("--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help="a rank that waits longer in one collective ends the job, naming itself and the "
+                        "collective (0: wait forever)")
 
 
 def add_parallel_flags(p: argparse.ArgumentParser) -> None:
@@ -54,7 +60,8 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-schedule", choices=SCHEDULES, default=d.schedule,
                    help="the order of forwards and backwards on each stage (docs/10-pipeline-schedules.md)")
     g.add_argument("--virtual-stages", type=int, default=d.virtual_stages,
-                   help="chunks of layers per pipeline rank, with --pipeline-schedule interleaved")
+                   help="chunks of layers per pipeline rank, with --pipeline-schedule interleaved "
+                        "(zb-v and dualpipev: always 2, placed in a V)")
     g.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=d.zero_stage,
                    help="shard over dp: 1 the optimizer state, 2 also the gradients, 3 also the parameters")
     g.add_argument("--bucket-size", type=int, default=d.bucket_size,
@@ -65,6 +72,13 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="split LayerNorm and residual activations over tp along the sequence")
     g.add_argument("--recompute", choices=RECOMPUTE, default=d.recompute,
                    help="recompute in the backward: nothing, the attention probabilities, or whole blocks")
+    g.add_argument("--context-parallel-type", choices=CONTEXT_PARALLEL_TYPES, default=d.context_parallel_type,
+                   help="attention over the cp ranks: keys and values around a ring, an all-to-all over heads "
+                        "(Ulysses), or Ulysses groups joined by a ring (hybrid)")
+    g.add_argument("--ulysses-size", type=int, default=d.ulysses_size,
+                   help="with --context-parallel-type hybrid: cp ranks per all-to-all group")
+    g.add_argument("--tp-comm-overlap", action=argparse.BooleanOptionalAction, default=d.tp_comm_overlap,
+                   help="hide each column-parallel layer's input-gradient collective behind its weight gradient")
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -138,7 +152,9 @@ def configs_from_args(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
     parallel = ParallelConfig(schedule=args.pipeline_schedule, virtual_stages=args.virtual_stages,
                               zero_stage=args.zero_stage,
                               bucket_size=args.bucket_size, overlap_grad_reduce=args.overlap_grad_reduce,
-                              sequence_parallel=args.sequence_parallel, recompute=args.recompute).validate()
+                              sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+                              context_parallel_type=args.context_parallel_type, ulysses_size=args.ulysses_size,
+                              tp_comm_overlap=args.tp_comm_overlap).validate()
     train = TrainConfig(micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size or 0,
                         rampup_batch_size=tuple(args.rampup_batch_size or ()),
                         **{k: getattr(args, k) for k in (
@@ -153,6 +169,10 @@ def mesh_from_args(args, world_size: int, model: ModelConfig, train: TrainConfig
                    parallel: ParallelConfig | None = None):
     """The Mesh for this world, after every check that involves it."""
     from numpitron.distributed.topology import resolve_mesh
+    if args.blas_threads < 1:
+        raise UserError(f"--blas-threads must be positive, got {args.blas_threads}")
+    if not math.isfinite(args.collective_timeout) or args.collective_timeout < 0:
+        raise UserError(f"--collective-timeout must be a finite number of seconds >= 0, got {args.collective_timeout}")
     mesh = resolve_mesh(world_size, args.tensor_parallel_size, args.pipeline_parallel_size,
                         args.data_parallel_size, args.context_parallel_size, args.expert_parallel_size)
     check_layout(model, train, mesh, parallel)
@@ -168,4 +188,5 @@ def setup_training(args, world=None):
     world = world or MPI.COMM_WORLD
     model, parallel, train = configs_from_args(args)
     mesh = mesh_from_args(args, world.Get_size(), model, train, parallel)
-    return model, parallel, train, Topology.from_mesh(world, mesh)
+    return model, parallel, train, Topology.from_mesh(world, mesh, args.collective_timeout,
+                                                      parallel.ulysses_group(mesh.cp))

@@ -16,10 +16,15 @@ DTYPES = ("float32", "float64")
 # The pipeline schedules' names, the one place they are spelled (parallel/schedules.py
 # builds each; a schedule with separate weight passes splits every layer's backward).
 GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "gpipe", "1f1b", "interleaved", "zero-bubble"
-SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE)
-SPLIT_BACKWARD = (ZERO_BUBBLE,)
+ZB_V, DUALPIPE_V = "zb-v", "dualpipev"
+SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, ZB_V, DUALPIPE_V)
+SPLIT_BACKWARD = (ZERO_BUBBLE, ZB_V, DUALPIPE_V)
+# Two chunks per rank placed in a V (distributed/stages.py): the first and the last
+# virtual stage on pp rank 0.
+V_SHAPED = (ZB_V, DUALPIPE_V)
 RECOMPUTE = ("none", "selective", "full")
 OPTIMIZERS = ("adamw", "muon")
+CONTEXT_PARALLEL_TYPES = ("ring", "ulysses", "hybrid")         # docs/13-context-parallelism.md
 
 
 @dataclass(frozen=True)
@@ -49,19 +54,23 @@ class ModelConfig:
     def is_moe_block(self, index: int) -> bool:
         return self.num_experts > 0 and index % self.moe_every == 0
 
-    def validate(self) -> "ModelConfig":
-        _integers(self, "vocab_size", "seq_len", "n_layers", "n_heads", "d_model")
-        _positive(self, "vocab_size", "seq_len", "n_layers", "n_heads", "d_model")
+    def validate(self, label=None) -> "ModelConfig":
+        """label(field) names a field in messages: its flag by default; a config read
+        from a file names its fields as the file does."""
+        label = label or _flag
+        _integers(self, "vocab_size", "seq_len", "n_layers", "n_heads", "d_model", label=label)
+        _positive(self, "vocab_size", "seq_len", "n_layers", "n_heads", "d_model", label=label)
         if self.d_model % self.n_heads:
             raise UserError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise UserError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        _integers(self, "num_experts", "moe_top_k", "moe_every")
-        _finite(self, "moe_capacity_factor", "moe_aux_loss_coef")
-        _non_negative(self, "num_experts", "moe_capacity_factor", "moe_aux_loss_coef")
-        _positive(self, "moe_top_k", "moe_every")
+        _integers(self, "num_experts", "moe_top_k", "moe_every", label=label)
+        _finite(self, "moe_capacity_factor", "moe_aux_loss_coef", label=label)
+        _non_negative(self, "num_experts", "moe_capacity_factor", "moe_aux_loss_coef", label=label)
+        _positive(self, "moe_top_k", "moe_every", label=label)
         if self.num_experts and self.moe_top_k > self.num_experts:
-            raise UserError(f"--moe-top-k ({self.moe_top_k}) must not exceed --num-experts ({self.num_experts})")
+            raise UserError(f"{label('moe_top_k')} ({self.moe_top_k}) must not exceed {label('num_experts')} "
+                            f"({self.num_experts})")
         return self
 
 
@@ -73,26 +82,51 @@ class ParallelConfig:
     """How to parallelise, beyond the mesh's sizes (which only the Topology holds)."""
 
     schedule: str = ONE_F_ONE_B      # one of SCHEDULES; only matters with pipeline stages
-    virtual_stages: int = 1          # chunks of layers per pipeline rank (interleaved 1F1B)
+    virtual_stages: int = 1          # chunks of layers per pipeline rank (interleaved 1F1B; 2 for a V)
     zero_stage: int = 0
     bucket_size: int = 1 << 20       # elements per data-parallel gradient bucket
     overlap_grad_reduce: bool = True # start each bucket's all-reduce during the backward
     sequence_parallel: bool = False  # split LayerNorm/residual activations over tp along the sequence
     recompute: str = "none"          # "none", "selective" (attention probabilities) or "full" (blocks)
+    context_parallel_type: str = "ring"  # attention over cp: the ring, Ulysses' all-to-all, or both
+    ulysses_size: int = 0            # hybrid only: cp ranks per all-to-all group (the ring spans cp / it)
+    tp_comm_overlap: bool = True     # start column-parallel input-gradient collectives before the weight gradient
+
+    def __post_init__(self):
+        if self.schedule in V_SHAPED and self.virtual_stages == 1:     # a V has two chunks per rank
+            object.__setattr__(self, "virtual_stages", 2)
+
+    @property
+    def v_shaped(self) -> bool:
+        return self.schedule in V_SHAPED
 
     def validate(self) -> "ParallelConfig":
-        _integers(self, "virtual_stages")
+        _integers(self, "virtual_stages", "ulysses_size")
         _positive(self, "bucket_size", "virtual_stages")
+        _non_negative(self, "ulysses_size")
+        if self.context_parallel_type not in CONTEXT_PARALLEL_TYPES:
+            raise UserError(f"unknown context-parallel type {self.context_parallel_type!r}; choose one of "
+                            f"{', '.join(CONTEXT_PARALLEL_TYPES)}")
+        if (self.context_parallel_type == "hybrid") != (self.ulysses_size > 0):
+            raise UserError(f"--context-parallel-type hybrid and --ulysses-size go together (got "
+                            f"{self.context_parallel_type} with Ulysses size {self.ulysses_size or 'unset'})")
         if self.recompute not in RECOMPUTE:
             raise UserError(f"unknown recompute {self.recompute!r}; choose one of {', '.join(RECOMPUTE)}")
         if self.schedule not in SCHEDULES:
             raise UserError(f"unknown pipeline schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-        if (self.schedule == INTERLEAVED) != (self.virtual_stages > 1):
+        if self.v_shaped and self.virtual_stages != 2:
+            raise UserError(f"--pipeline-schedule {self.schedule} places exactly two chunks on each rank (a V): "
+                            f"leave out --virtual-stages (got {self.virtual_stages})")
+        if not self.v_shaped and (self.schedule == INTERLEAVED) != (self.virtual_stages > 1):
             raise UserError(f"--pipeline-schedule interleaved and --virtual-stages 2 or more go together "
                             f"(got {self.schedule} with {self.virtual_stages} virtual stages)")
         if self.zero_stage not in ZERO_STAGES:
             raise UserError(f"zero stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         return self
+
+    def ulysses_group(self, context: int) -> int:
+        """How many cp ranks share one Ulysses all-to-all (the ring spans context / it)."""
+        return {"ring": 1, "ulysses": context, "hybrid": self.ulysses_size}[self.context_parallel_type]
 
 
 def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
@@ -118,19 +152,23 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
                             "--sequence-parallel sums LayerNorm gradients over tp only after the whole backward; "
                             "use --zero-stage 2 with --sequence-parallel")
         if parallel.schedule in SPLIT_BACKWARD:
-            raise UserError("--zero-stage 3 gathers a layer's parameters around its whole backward, and the "
-                            "zero-bubble schedule splits that backward into two passes; use another schedule")
+            raise UserError(f"--zero-stage 3 gathers a layer's parameters around its whole backward, and the "
+                            f"{parallel.schedule} schedule splits that backward into two passes; use another schedule")
         if model.num_experts:
             raise UserError("--zero-stage 3 gathers each block's parameters from one flat buffer, and experts live "
                             "in a second one that only their own ranks hold; use --zero-stage 2 with --num-experts")
     if model.n_heads % tensor:
         raise UserError(f"n_heads ({model.n_heads}) must be divisible by the tensor-parallel size ({tensor})")
+    if parallel is not None:
+        _check_ulysses(model, tensor, context, parallel)
     if (4 * model.d_model) % tensor:
         raise UserError(f"the MLP width 4*d_model ({4 * model.d_model}) must be divisible by the "
                         f"tensor-parallel size ({tensor})")
     if model.n_layers % pipeline:
         raise UserError(f"n_layers ({model.n_layers}) must be divisible by the pipeline-parallel size ({pipeline})")
-    if parallel is not None and parallel.virtual_stages > 1:
+    if parallel is not None and parallel.v_shaped:
+        _check_v_shape(model, train, pipeline, data, parallel.schedule)
+    elif parallel is not None and parallel.virtual_stages > 1:
         _check_interleaving(model, train, pipeline, data, parallel.virtual_stages)
     if context > 1 and model.seq_len % (2 * context):
         raise UserError(f"seq_len ({model.seq_len}) must be divisible by 2 x the context-parallel size "
@@ -163,6 +201,18 @@ def _check_experts(model: ModelConfig, parallel, data: int, context: int, expert
                         "--sequence-parallel yet")
 
 
+def _check_ulysses(model: ModelConfig, tensor: int, context: int, parallel: ParallelConfig) -> None:
+    """Ulysses splits each rank's H/tp heads over its all-to-all group (distributed/ulysses.py)."""
+    group, heads = parallel.ulysses_group(context), model.n_heads // tensor
+    if context % group:
+        raise UserError(f"--ulysses-size ({group}) must divide the context-parallel size ({context})")
+    if heads % group:
+        name = "context-parallel size" if parallel.context_parallel_type == "ulysses" else "--ulysses-size"
+        raise UserError(f"{parallel.context_parallel_type} context parallelism gives each rank whole heads: n_heads / "
+                        f"tensor-parallel size ({model.n_heads} / {tensor} = {heads}) must be divisible by the "
+                        f"{name} ({group})")
+
+
 def _check_interleaving(model: ModelConfig, train, pipeline: int, data: int, virtual: int) -> None:
     """Interleaved 1F1B (Narayanan et al. 2021, §2.2.2): each of the p ranks holds v
     chunks of n_layers / (p v) blocks, and the micro-batches go round in groups of p."""
@@ -176,6 +226,18 @@ def _check_interleaving(model: ModelConfig, train, pipeline: int, data: int, vir
         raise UserError(f"the interleaved schedule takes micro-batches in groups of the pipeline-parallel size: "
                         f"{train.num_microbatches(data)} micro-batches per step is not a multiple of {pipeline} "
                         f"(set --global-batch-size to micro batch x dp x a multiple of {pipeline})")
+
+
+def _check_v_shape(model: ModelConfig, train, pipeline: int, data: int, schedule: str) -> None:
+    """ZB-V and DualPipeV (parallel/schedules.py): 2p chunks of n_layers / 2p blocks,
+    and rank 0 runs 2p - 1 forwards of its first chunk before its first backward."""
+    if model.n_layers % (2 * pipeline):
+        raise UserError(f"n_layers ({model.n_layers}) must be divisible by 2 x the pipeline-parallel size "
+                        f"({2 * pipeline}): the {schedule} schedule gives each rank two chunks of whole layers")
+    if train is not None and train.num_microbatches(data) < 2 * pipeline - 1:
+        raise UserError(f"the {schedule} schedule needs at least 2 x pipeline-parallel size - 1 = {2 * pipeline - 1} "
+                        f"micro-batches per step (rank 0 runs that many forwards before its first backward), got "
+                        f"{train.num_microbatches(data)}: raise --global-batch-size")
 
 
 @dataclass(frozen=True)
@@ -284,31 +346,34 @@ def _ramp(cfg: "TrainConfig", data_parallel: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def _integers(cfg, *names):
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _integers(cfg, *names, label=_flag):
     for name in names:
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool):
-            raise UserError(f"{name.replace('_', '-')} must be an integer, got {value!r} "
-                            f"({type(value).__name__})")
+            raise UserError(f"{label(name)} must be an integer, got {value!r} ({type(value).__name__})")
 
 
-def _finite(cfg, *names):
+def _finite(cfg, *names, label=_flag):
     for name in names:
         value = getattr(cfg, name)
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise UserError(f"{name.replace('_', '-')} must be a finite number, got {value!r}")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise UserError(f"{label(name)} must be a finite number, got {value!r}")
 
 
-def _positive(cfg, *names):
+def _positive(cfg, *names, label=_flag):
     for name in names:
         if not getattr(cfg, name) > 0:
-            raise UserError(f"{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+            raise UserError(f"{label(name)} must be positive, got {getattr(cfg, name)}")
 
 
-def _non_negative(cfg, *names):
+def _non_negative(cfg, *names, label=_flag):
     for name in names:
         if getattr(cfg, name) < 0:
-            raise UserError(f"{name.replace('_', '-')} must not be negative, got {getattr(cfg, name)}")
+            raise UserError(f"{label(name)} must not be negative, got {getattr(cfg, name)}")
 
 
 def to_dict(cfg) -> dict:

@@ -68,7 +68,7 @@ def generate(model, prompt_ids, max_new_tokens: int, num_samples: int = 1, tempe
     """Returns (num_samples, len(prompt) + max_new_tokens) token ids, identical on
     every rank. Replica d of dp generates samples [d n / dp, (d + 1) n / dp), rounded
     down (none, when there are fewer samples than replicas), then the replicas
-    exchange theirs."""
+    exchange theirs. Check the sizes first (`memory.check_generation_fits`)."""
     topo = model.topo
     if model.virtual_stages != 1 or topo.cp != 1:
         raise ValueError("generation runs on one chunk per stage and whole sequences (cp = 1)")
@@ -76,10 +76,14 @@ def generate(model, prompt_ids, max_new_tokens: int, num_samples: int = 1, tempe
     start, stop = shares[topo.dp_rank]
     most = pad_to_multiple(num_samples, topo.dp) // topo.dp          # the largest share
     everyone = np.zeros((topo.dp, most, len(prompt_ids) + max_new_tokens), np.int64)
-    if stop > start:                      # the whole replica (its tp and pp groups) alike
-        prompts = np.tile(np.asarray(prompt_ids, np.int64), (stop - start, 1))
-        rngs = [np.random.default_rng([seed, k]) for k in range(start, stop)]
-        everyone[topo.dp_rank, :stop - start] = _generate_rows(model, prompts, max_new_tokens, rngs, temperature, top_k)
+    # A replica without a sample still takes every step, on one placeholder row it then
+    # drops: its expert-parallel peers wait for its tokens in each all-to-all. (Experts
+    # see each row on its own, so the placeholder changes no other row.)
+    rows = max(stop - start, 1)
+    prompts = np.tile(np.asarray(prompt_ids, np.int64), (rows, 1))
+    rngs = [np.random.default_rng([seed, k]) for k in range(start, start + rows)]
+    generated = _generate_rows(model, prompts, max_new_tokens, rngs, temperature, top_k)
+    everyone[topo.dp_rank, :stop - start] = generated[:stop - start]
     topo.dp_comm.all_gather(everyone)
     return np.concatenate([everyone[d, :b - a] for d, (a, b) in enumerate(shares)])
 

@@ -3,6 +3,8 @@ impossible size is one line instead of a MemoryError."""
 
 import os
 
+import numpy as np
+
 from numpitron.errors import UserError
 
 
@@ -33,3 +35,39 @@ def check_fits(model_cfg, parallel_cfg, train_cfg, topo) -> None:
     if have is not None and need > have:
         raise UserError(f"this configuration needs about {need / 2**30:.1f} GiB per rank, and this host has "
                         f"{have / 2**30:.1f} GiB available: use smaller sizes or more ranks")
+
+
+def check_model_fits(model_cfg, topo, parameter_copies: int = 0, what: str = "this model") -> None:
+    """Before building a GPTStage: its buffers (parameters, gradients and two masks, four
+    times the parameters, as the optimizer's state counts them) and `parameter_copies`
+    more copies of its parameters, against what this host has free. A model config
+    read from a file is checked so before anything is allocated."""
+    from numpitron.config import ParallelConfig
+    from numpitron.plan.accounting import Rank, state_bytes
+    rank = Rank(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank, topo.cp_rank)
+    state = state_bytes(model_cfg, ParallelConfig(), rank)
+    need = sum(state.values()) + parameter_copies * state["params"]
+    have = available_bytes()
+    if have is not None and need > have:
+        raise UserError(f"{what} needs about {need / 2**30:.1f} GiB per rank, and this host has "
+                        f"{have / 2**30:.1f} GiB available")
+
+
+def generation_bytes(model_cfg, topo, num_samples: int, length: int) -> int:
+    """About what generating `num_samples` sequences of `length` tokens keeps on one rank:
+    every replica's token ids and this replica's growing copy (int64), its blocks'
+    key/value cache, and a prefill's widest activations and logits, a few alive at once."""
+    rows, item = -(-num_samples // topo.dp), np.dtype(model_cfg.dtype).itemsize
+    T, C, V = model_cfg.seq_len, model_cfg.d_model, model_cfg.vocab_size
+    blocks = -(-model_cfg.n_layers // topo.pp)
+    ids = 8 * rows * length * (topo.dp + 2)
+    cache = 2 * blocks * rows * T * (C // topo.tp) * item
+    prefill = 4 * rows * T * (4 * C + V) * item
+    return ids + cache + prefill
+
+
+def check_generation_fits(model_cfg, topo, num_samples: int, length: int) -> None:
+    need, have = generation_bytes(model_cfg, topo, num_samples, length), available_bytes()
+    if have is not None and need > have:
+        raise UserError(f"generating {num_samples} samples of {length} tokens needs about {need / 2**30:.1f} GiB "
+                        f"per rank, and this host has {have / 2**30:.1f} GiB available: ask for fewer or shorter")

@@ -5,7 +5,9 @@ first stage starts with the embeddings, every stage holds its share of the block
 the last ends with the language-model head and the loss. With one stage, one object
 is the whole model. When the first and last stages differ, each holds a copy of the
 token embedding, both drawn from the same (seed, name) and kept equal by summing
-their gradients in `finalize_grads`.
+their gradients in `finalize_grads`. Which rank holds which virtual stage is the
+`placement`'s to say (distributed/stages.py): in a V, the first and the last are both
+on pp rank 0, which then holds the one token embedding for both.
 
 Parameters live in two flat buffers: `store` for those every data-parallel rank
 holds, `expert_store` for this rank's experts (empty without experts), whose
@@ -16,7 +18,9 @@ the ones in use.
 import numpy as np
 
 from numpitron.config import ModelConfig
+from numpitron.distributed.comm import Comm
 from numpitron.distributed.sharding import shard_bounds, shard_size
+from numpitron.distributed.stages import StagePlacement
 from numpitron.distributed.zigzag import local_positions
 from numpitron.nn.block import Block
 from numpitron.nn.embedding import Embeddings, PositionEmbedding, VocabParallelEmbedding
@@ -34,20 +38,26 @@ TOKEN_EMBEDDING = "embedding.token.weight"
 
 class GPTStage(Layer):
     """This rank's layers: one chunk per virtual stage it holds (one without
-    interleaving). Chunk c of pp rank r is virtual stage c*p + r of p*v, and holds
-    that share of the blocks; the embeddings open virtual stage 0, the head closes
-    the last. Block names stay global (`blocks.5...`), whichever rank holds them."""
+    interleaving). Chunk c of pp rank r is virtual stage `placement.stage(r, c)` of
+    p*v (c*p + r, or in a V r and 2p-1-r), and holds that share of the blocks; the
+    embeddings open virtual stage 0, the head closes the last. Block names stay global
+    (`blocks.5...`), whichever rank holds them."""
 
     def __init__(self, model_cfg: ModelConfig, topo, seed: int = 0, sequence_parallel: bool = False,
-                 recompute: str = "none", loss_weight: float = 1.0, virtual_stages: int = 1):
+                 recompute: str = "none", loss_weight: float = 1.0, virtual_stages: int = 1,
+                 tp_comm_overlap: bool = True, v_shape: bool = False):
         """loss_weight: the weight the schedule gives each micro-batch's loss (1/m); the
         last stage's head receives it as its output gradient, every MoE layer scales its
-        aux loss's gradient by it (the role of Megatron's MoEAuxLossAutoScaler)."""
+        aux loss's gradient by it (the role of Megatron's MoEAuxLossAutoScaler).
+        v_shape: the chunks placed in a V (ZB-V, DualPipeV) instead of a loop."""
         self.model_cfg, self.topo, self.loss_weight = model_cfg, topo, loss_weight
         self.virtual_stages = virtual_stages
-        self.region = make_region(topo, sequence_parallel)
+        self.placement = StagePlacement(topo.pp, virtual_stages, v_shape)
+        self.region = make_region(topo, sequence_parallel, tp_comm_overlap)
         self.dtype = np.dtype(model_cfg.dtype)
-        self.first, self.last = topo.is_first_stage, topo.is_last_stage    # holds the embeddings, the head
+        # Holds the embeddings (virtual stage 0), the head (the last virtual stage).
+        self.first = self.placement.rank_of(0) == topo.pp_rank
+        self.last = self.placement.rank_of(self.placement.stages - 1) == topo.pp_rank
         self.routing_log = RoutingLog(model_cfg.n_layers, model_cfg.num_experts)
         self._build_embeddings_and_head()
         self._build_chunks(recompute)
@@ -82,7 +92,7 @@ class GPTStage(Layer):
         c, topo, v = self.model_cfg, self.topo, self.virtual_stages
         self.blocks, self.chunk_blocks, self.chunks = [], [], []
         for chunk in range(v):
-            start, stop = shard_bounds(c.n_layers, topo.pp * v, chunk * topo.pp + topo.pp_rank)
+            start, stop = shard_bounds(c.n_layers, self.placement.stages, self.placement.stage(topo.pp_rank, chunk))
             blocks = [Block(f"blocks.{i}", c.d_model, c.n_heads, c.n_layers, topo, self.region,
                             keep_probs=recompute != "selective", moe=self._moe_settings(i))
                       for i in range(start, stop)]
@@ -123,11 +133,23 @@ class GPTStage(Layer):
 
     def holds_embeddings(self, chunk: int) -> bool:
         """Whether `chunk` is virtual stage 0: it starts with the embeddings."""
-        return self.first and chunk == 0
+        return self.placement.stage(self.topo.pp_rank, chunk) == 0
 
     def holds_head(self, chunk: int) -> bool:
         """Whether `chunk` is the last virtual stage: it ends with the head and the loss."""
-        return self.last and chunk == self.virtual_stages - 1
+        return self.placement.stage(self.topo.pp_rank, chunk) == self.placement.stages - 1
+
+    @property
+    def head_rank(self) -> int:
+        """The pp rank whose head computes the loss (the last; rank 0 in a V)."""
+        return self.placement.rank_of(self.placement.stages - 1)
+
+    def tied_group(self) -> Comm:
+        """The ranks holding a copy of the token embedding, whose gradients are summed:
+        the first and the last pp rank (the topology's embedding group), or this rank
+        alone when it holds both ends (one process, or the V), one copy for both."""
+        both_here = self.first and self.last
+        return Comm(None, self.topo.stats, "embedding") if both_here else self.topo.embedding_comm
 
     def parameters(self):
         return [p for store in self.stores for p in store.params]
@@ -209,7 +231,7 @@ class GPTStage(Layer):
                 p.grad.reshape(-1)[...] = partial[offset:offset + p.grad.size]
                 offset += p.grad.size
         if self.tied:
-            self.topo.embedding_comm.all_reduce(self.token_embedding.weight.grad)
+            self.tied_group().all_reduce(self.token_embedding.weight.grad)
         grads_ready(self.summed_in_finalize)
 
     def new_kv_cache(self, batch: int, chunk: int = 0) -> KVCache:

@@ -4,17 +4,49 @@ A fresh run into a directory that already holds a run would mix two runs in one
 metrics history and prune the old run's checkpoints, so it is refused unless the user
 says what they want: --resume continues it, --overwrite replaces what this library
 wrote there (metrics.jsonl and its own checkpoints; anything else is left alone).
-Rank 0 decides and every rank learns the outcome, so an error is one line.
+Two jobs never share a directory: the first holds a lock on it (`RunLock`) for as
+long as it runs, and a second is refused with one line naming the holder. Rank 0
+decides and every rank learns the outcome, so an error is one line.
 """
 
+import fcntl
 import os
+import re
+import socket
+import time
 from pathlib import Path
 
-from numpitron.checkpoint.manifest import LATEST_NAME, iter_dirs
-from numpitron.checkpoint.prune import clear_leftovers, partial_leftover, remove_tree, written_by_us
+from numpitron.checkpoint.load import latest_checkpoint
+from numpitron.checkpoint.manifest import LATEST_NAME, is_latest_pointer, iter_dirs, iteration_of
+from numpitron.checkpoint.prune import clear_leftovers, remove_tree, written_by_us
 from numpitron.errors import UserError
 
 METRICS_NAME = "metrics.jsonl"
+LOCK_NAME = ".numpitron-lock"
+_METRICS_TEMPORARY = re.compile(r"^\.metrics\.jsonl\.\d+\.tmp$")     # metrics.MetricsLog's rewrite
+
+
+class RunLock:
+    """An exclusive lock on the run directory (flock on its lock file), held until
+    `release` or until the process ends, however it ends: the kernel drops the lock
+    of a killed process, so a crash never leaves the directory locked."""
+
+    def __init__(self, out_dir: Path):
+        path = out_dir / LOCK_NAME
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(self.fd)
+            raise UserError(f"--out-dir {out_dir} is in use by another run ({holder}): wait for it to end "
+                            f"or choose another --out-dir") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                           f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+
+    def release(self) -> None:
+        os.close(self.fd)                 # closing the last descriptor drops the flock
 
 
 def previous_run(out_dir: Path) -> list[str]:
@@ -29,9 +61,10 @@ def previous_run(out_dir: Path) -> list[str]:
     return found
 
 
-def claim(out_dir, resume: bool, overwrite: bool) -> list[str]:
-    """Make `out_dir` ready for this run (rank 0 only). Returns notes to print; raises
-    UserError with one line when the directory cannot be used."""
+def claim(out_dir, resume: bool, overwrite: bool) -> tuple[RunLock, list[str]]:
+    """Make `out_dir` ready for this run (rank 0 only). Returns the directory's lock
+    (keep it for the run) and notes to print; raises UserError with one line when the
+    directory cannot be used."""
     out_dir, notes = Path(out_dir), []
     if resume and overwrite:
         raise UserError("--resume and --overwrite contradict each other: choose one")
@@ -42,30 +75,53 @@ def claim(out_dir, resume: bool, overwrite: bool) -> list[str]:
         probe.unlink()
     except OSError as error:
         raise UserError(f"cannot write to --out-dir {out_dir}: {error.strerror or error}") from None
+    lock = RunLock(out_dir)
+    try:
+        notes = _prepare(out_dir, resume, overwrite)
+    except BaseException:
+        lock.release()
+        raise
+    return lock, notes
+
+
+def _prepare(out_dir: Path, resume: bool, overwrite: bool) -> list[str]:
+    """Under the lock: refuse a used directory, or clear what --overwrite replaces, and
+    the temporaries a killed run of ours left behind."""
+    notes = []
+    for leftover in (p for p in out_dir.iterdir() if _METRICS_TEMPORARY.match(p.name) and p.is_file()):
+        leftover.unlink()
+        notes.append(f"removed {leftover}: a metrics rewrite cut short by a kill")
     found = previous_run(out_dir)
     if found and not resume and not overwrite:
         raise UserError(f"--out-dir {out_dir} already holds a run ({', '.join(found)}): pass --resume to continue "
                         f"it, --overwrite to replace it, or choose another --out-dir")
     root = out_dir / "checkpoints"
+    # A directory named like a checkpoint this run may write, holding a user's files,
+    # would stop the run at that save: refuse now, before anything is touched.
+    resumed_from = latest_checkpoint(root) if resume else None
+    start = -1 if resumed_from is None else iteration_of(resumed_from)
+    theirs = [p for p in iter_dirs(root) if iteration_of(p) > start and not written_by_us(p)]
+    if theirs:
+        raise UserError(f"{theirs[0]} holds files numpitron did not write, where this run would save a checkpoint: "
+                        f"move it away first")
     if overwrite and found:
-        removed = [p for p in iter_dirs(root) if (written_by_us(p) or partial_leftover(p)) and remove_tree(p)]
+        removed = [p for p in iter_dirs(root) if remove_tree(p)]
         (out_dir / METRICS_NAME).unlink(missing_ok=True)
-        (root / LATEST_NAME).unlink(missing_ok=True)
+        if is_latest_pointer(root / LATEST_NAME):
+            (root / LATEST_NAME).unlink()
         clear_leftovers(root)
         notes.append(f"--overwrite: removed {METRICS_NAME} and {len(removed)} checkpoint(s) from {out_dir}")
-    if resume:
-        for leftover in [p for p in iter_dirs(root) if partial_leftover(p)]:
-            if remove_tree(leftover):
-                notes.append(f"removed {leftover}: a checkpoint whose deletion was interrupted (no manifest)")
     return notes
 
 
-def claim_on_every_rank(topo, out_dir, resume: bool, overwrite: bool) -> None:
-    """Rank 0 claims the directory and prints its notes; every rank raises its error."""
-    outcome = None
+def claim_on_every_rank(topo, out_dir, resume: bool, overwrite: bool) -> RunLock | None:
+    """Rank 0 claims the directory and prints its notes; every rank raises its error.
+    Returns the lock on rank 0 (None elsewhere): hold it until the run ends."""
+    outcome, lock = None, None
     if topo.rank == 0:
         try:
-            for note in claim(out_dir, resume, overwrite):
+            lock, notes = claim(out_dir, resume, overwrite)
+            for note in notes:
                 print(note, flush=True)
             outcome = ("ok", "")
         except UserError as error:
@@ -73,3 +129,4 @@ def claim_on_every_rank(topo, out_dir, resume: bool, overwrite: bool) -> None:
     status, message = topo.world.broadcast_object(outcome)
     if status != "ok":
         raise UserError(message)
+    return lock

@@ -8,12 +8,10 @@ Imports nothing heavy, so entry points can call it first thing.
 * When a host runs more ranks than it has cores, MPICH ranks waiting in MPI spin
   a whole core and starve the ones doing work; MPIR_CVAR_ENABLE_HEAVY_YIELD makes
   them yield instead. It slows small collectives, so it is only set when
-  oversubscribed (and never if the user set it). Measured with 4 ranks on 2 cores:
-  a 4-stage pipeline ran ~10% faster with it, dp = 4 ~4% slower.
+  oversubscribed (and never if the user set it; chapter 15 has the measurement).
 * glibc is told to keep freed memory instead of handing it back to the OS. With its
   defaults every step's activations (several MB) are unmapped when freed and
-  page-faulted in again by the next step: ~15,000 faults and a third of the step time for the
-  default model, spent in the kernel.
+  page-faulted in again by the next step, in the kernel (chapter 15).
 """
 
 import ctypes

@@ -43,8 +43,9 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
     paths = prepare_data_on_ranks(topo, data_dir, input_path)
     tokenizer, splits = on_every_rank(topo.world, lambda: load_prepared(paths, model_cfg.seq_len))
     model_cfg = replace(model_cfg, vocab_size=tokenizer.vocab_size).validate()
+    check_eval_iters(train_cfg, train_cfg.global_batch(topo.dp), model_cfg.seq_len, splits)
     on_every_rank(topo.world, lambda: check_fits(model_cfg, parallel_cfg, train_cfg, topo))
-    claim_on_every_rank(topo, out_dir, resume, overwrite)
+    lock = claim_on_every_rank(topo, out_dir, resume, overwrite)         # held until the run ends
     if run_config is not None and topo.rank == 0:
         note = write_run_config(out_dir, run_config)
         if note:
@@ -53,13 +54,10 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
     ckpt_root = out_dir / "checkpoints"
     best_ckpt = None
     if resume:
-        found = latest_checkpoint(ckpt_root)
-        if found is None:
-            raise UserError(f"--resume: no checkpoint in {ckpt_root}")
-        saved_tokenizer = load_checkpoint(found, trainer).get("tokenizer")
-        if saved_tokenizer is not None and saved_tokenizer != tokenizer.to_dict():
-            raise UserError(f"--resume: {found} was trained with another tokenizer than {data_dir}'s "
-                            f"(e.g. imported from another corpus); its token ids would mean other characters")
+        if not resume_from_latest(ckpt_root, trainer, train_cfg, tokenizer):
+            if lock is not None:
+                lock.release()
+            return {"iterations": trainer.iteration, "trained": 0, "trainer": trainer}
         best_ckpt = best_checkpoint(ckpt_root)
 
     def save(reason: str, protect):
@@ -70,6 +68,7 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
         print(topo, flush=True)
         print(f"model: {sum(int(math.prod(p.logical_shape)) for p in trainer.model.parameters())} parameters on stage 0; "
               f"{trainer.num_microbatches} micro-batches of {train_cfg.micro_batch_size} per dp rank", flush=True)
+    first_iteration = trainer.iteration
     bar = _progress_bar(trainer.iteration, train_cfg.max_iters, progress and topo.is_logger and sys.stdout.isatty())
     plain = progress and bar is None
     start, last_eval = time.perf_counter(), {}
@@ -111,8 +110,56 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
             bar.update(1)
     if bar is not None:
         bar.close()
-    return {"iterations": trainer.iteration, "val_loss": last_eval.get("val"),
+    if lock is not None:
+        lock.release()
+    return {"iterations": trainer.iteration, "trained": trainer.iteration - first_iteration,
+            "val_loss": last_eval.get("val"),
             "train_loss": last_eval.get("train"), "elapsed_s": time.perf_counter() - start, "trainer": trainer}
+
+
+def resume_from_latest(ckpt_root: Path, trainer, train_cfg, tokenizer) -> bool:
+    """Load the newest checkpoint into `trainer`; False (with a line from the logging
+    rank) when it is already at --max-iters. Says so when the global batch changed, and
+    refuses a checkpoint trained with another tokenizer than the data's."""
+    found = latest_checkpoint(ckpt_root)
+    if found is None:
+        raise UserError(f"--resume: no checkpoint in {ckpt_root}")
+    manifest = load_checkpoint(found, trainer)
+    saved_tokenizer = manifest.get("tokenizer")
+    if saved_tokenizer is not None and saved_tokenizer != tokenizer.to_dict():
+        raise UserError(f"--resume: {found} was trained with another tokenizer than the data's "
+                        f"(e.g. imported from another corpus); its token ids would mean other characters")
+    if trainer.iteration > train_cfg.max_iters:
+        raise UserError(f"--resume: {found} is at iteration {trainer.iteration}, past --max-iters "
+                        f"{train_cfg.max_iters}: raise --max-iters to train further")
+    note = (f"nothing to train: {found} is at iteration {trainer.iteration} = --max-iters"
+            if trainer.iteration == train_cfg.max_iters else batch_change_note(manifest, trainer))
+    if note and trainer.topo.is_logger:
+        print(note, flush=True)
+    return trainer.iteration < train_cfg.max_iters
+
+
+def check_eval_iters(train_cfg, global_batch: int, seq_len: int, splits: dict) -> None:
+    """An evaluation draws eval_iters global batches of random windows from each split:
+    more than the smaller split holds distinct windows measures nothing better, and a
+    huge count would run for days without a word."""
+    windows = min(len(tokens) for tokens in splits.values()) - seq_len
+    if train_cfg.eval_iters * global_batch > windows:
+        raise UserError(f"--eval-iters {train_cfg.eval_iters} draws {train_cfg.eval_iters * global_batch:,} sequences "
+                        f"from each split, more than the {windows:,} distinct ones the smaller split holds: use at "
+                        f"most {windows // global_batch}")
+
+
+def batch_change_note(manifest: dict, trainer) -> str | None:
+    """A line if the global batch differs from the one the checkpoint trained with (a
+    default global batch follows dp, so resuming on another mesh changes it)."""
+    saved_train, saved_mesh = manifest.get("train_config") or {}, manifest.get("mesh") or {}
+    saved = saved_train.get("global_batch_size") or saved_train.get("micro_batch_size", 0) * saved_mesh.get("data", 0)
+    now = trainer.global_batch_size
+    if not isinstance(saved, int) or saved <= 0 or saved == now:
+        return None
+    return (f"note: the global batch is now {now} sequences, the checkpoint trained with {saved}: "
+            f"pass --global-batch-size {saved} to continue its trajectory")
 
 
 def checkpoint_reason(iteration: int, improved: bool, train_cfg) -> str | None:

@@ -8,7 +8,7 @@ The steps (docs/architecture.md, "One training step"):
      micro-batch's backward the optimizer hears which gradients are final and may
      start reducing them over dp;
   3. the model finalizes its gradients: the tied embedding's is summed over the
-     first and last stage;
+     stages holding the first and the last virtual stage;
   4. the optimizer finishes averaging gradients over dp (all-reduce, or ZeRO-1's
      reduce-scatter), clips by the global norm, and applies AdamW. (A model with
      experts has two stores and two optimizers, stepped together: one norm.)
@@ -36,7 +36,8 @@ class Trainer:
         self.global_batch_size = train_cfg.global_batch(topo.dp)
         self.model = GPTStage(model_cfg, topo, seed=train_cfg.seed, sequence_parallel=parallel_cfg.sequence_parallel,
                               recompute=parallel_cfg.recompute, loss_weight=1.0 / self.num_microbatches,
-                              virtual_stages=parallel_cfg.virtual_stages)
+                              virtual_stages=parallel_cfg.virtual_stages, v_shape=parallel_cfg.v_shaped,
+                              tp_comm_overlap=parallel_cfg.tp_comm_overlap)
         self.eval_batch_size = self.global_batch_size       # evaluation always takes the full batch
         # Every rank learns if any stage holds a layer the schedule cannot run.
         on_every_rank(topo.world, lambda: check_backward_splits(self.model, parallel_cfg.schedule))
@@ -113,12 +114,13 @@ class Trainer:
                 "moe_tokens_per_expert": log.tokens[moe_blocks].astype(int).tolist()}
 
     def mean_loss(self, losses) -> float:
-        """Average the last stage's micro-batch losses over dp and cp (every rank's
-        losses are means over the same number of tokens), then tell every stage."""
+        """Average the micro-batch losses of the stage holding the head over dp and cp
+        (every rank's losses are means over the same number of tokens), then tell every
+        stage."""
         buf = np.array([np.mean(losses) if self.model.last else 0.0])
         self.topo.dp_cp_comm.all_reduce(buf)
         buf /= self.topo.dp_cp
-        self.topo.pp_comm.broadcast(buf, root=self.topo.pp - 1)
+        self.topo.pp_comm.broadcast(buf, root=self.model.head_rank)
         return float(buf[0])
 
     def evaluate(self, splits: dict, eval_iters: int) -> dict:

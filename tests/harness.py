@@ -3,6 +3,7 @@ k-step runs compared with one process, asserting on every rank at once, the
 finite-difference check every layer goes through, and the training script run as a
 user runs it. Test modules import from here, never from each other."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ from numpitron.distributed.gather import gather_stores
 from numpitron.distributed.topology import Topology
 from numpitron.nn.param import ParamStore
 from numpitron.optim.training_state import FLAT_BUFFERS
+from numpitron.rundir import LOCK_NAME
 from numpitron.trainer import Trainer
 from tests.conftest import REPO
 from tests.tolerances import EQUIV_RTOL_FLOAT64, FD_ATOL, FD_EPS, FD_RTOL, rel_diff
@@ -46,8 +48,9 @@ def make_trainer(model_cfg=None, train_cfg=None, topo=None, tensor=1, pipeline=1
     """A Trainer on `topo`, or on a mesh of the world's ranks; `parallel` holds
     ParallelConfig fields (schedule, zero_stage, ...). Checked like the CLI checks."""
     model_cfg, train_cfg = model_cfg or tiny_model(), train_cfg or tiny_train()
-    topo = topo or Topology.from_world(tensor, pipeline, data, context=context, expert=expert)
     parallel_cfg = ParallelConfig(**parallel).validate()
+    topo = topo or Topology.from_world(tensor, pipeline, data, context=context, expert=expert,
+                                       ulysses=parallel_cfg.ulysses_group(context))
     check_layout(model_cfg, train_cfg, topo.mesh, parallel_cfg)
     return Trainer(model_cfg, parallel_cfg, train_cfg, topo)
 
@@ -243,3 +246,27 @@ def logged_losses(out_dir):
 
 def error_lines(stderr):
     return [line for line in stderr.splitlines() if "error" in line.lower()]
+
+
+def snapshot(root: Path) -> dict:
+    """Every file under root with the hash of its bytes (but the run directory's lock
+    file, which each job that opens the directory stamps with its pid)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != LOCK_NAME}
+
+
+def rewrite_manifest(path: Path, edit) -> None:
+    manifest = json.loads((path / "manifest.json").read_text())
+    edit(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+# One process saving every iteration: the checkpoint tests' model, batches and tokens.
+CHECKPOINT_MODEL = tiny_model(**SMALLER)
+CHECKPOINT_TRAIN = TrainConfig(micro_batch_size=2, global_batch_size=4, max_iters=10, warmup_iters=2, seed=1,
+                               eval_iters=1, eval_interval=1)
+CHECKPOINT_TOKENS = np.random.default_rng(0).integers(0, 65, 5000).astype(np.uint16)
+
+
+def checkpoint_trainer(model_cfg=CHECKPOINT_MODEL) -> Trainer:
+    return make_trainer(model_cfg, CHECKPOINT_TRAIN, Topology.serial())

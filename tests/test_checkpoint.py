@@ -12,27 +12,14 @@ import pytest
 
 from numpitron.checkpoint import (export_npz, import_npz, latest_checkpoint, load_checkpoint,
                                   load_model_weights, read_manifest, save_checkpoint)
-from numpitron.checkpoint.manifest import file_checksum
-from numpitron.config import TrainConfig
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
 from numpitron.model import GPTStage
 from numpitron.checkpoint.prune import OWNER_MARKER
-from numpitron.checkpoint.save import checkpoint_fields, write_checkpoint
-from numpitron.distributed.gather import gather_full
-from numpitron.trainer import Trainer
-from tests.harness import SMALLER, train_steps, make_trainer as harness_trainer, tiny_model, whole_buffers
-
-MODEL = tiny_model(**SMALLER)
-TRAIN = TrainConfig(micro_batch_size=2, global_batch_size=4, max_iters=10, warmup_iters=2, seed=1,
-                    eval_iters=1, eval_interval=1)
-TOKENS = np.random.default_rng(0).integers(0, 65, 5000).astype(np.uint16)
+from tests.harness import CHECKPOINT_MODEL as MODEL, CHECKPOINT_TOKENS as TOKENS
+from tests.harness import checkpoint_trainer as make_trainer, rewrite_manifest, train_steps
 REPO = Path(__file__).resolve().parents[1]
 SHARD = "shards/rank-00000.bin"
-
-
-def make_trainer(model_cfg=MODEL) -> Trainer:
-    return harness_trainer(model_cfg, TRAIN, Topology.serial())
 
 
 @pytest.fixture(scope="module")
@@ -51,23 +38,6 @@ def copy_of(saved, tmp_path):
     path = tmp_path / "ckpt" / saved[0].name
     shutil.copytree(saved[0], path)
     return path
-
-
-def write_format1(root: Path, trainer) -> Path:
-    """A checkpoint as versions before sharded checkpoints wrote it (one .npy per tensor)."""
-    full = gather_full(trainer.model, trainer.topo, whole_buffers(trainer.optimizer))
-    return write_checkpoint(root, trainer.iteration, full, checkpoint_fields(trainer))
-
-
-@pytest.fixture
-def format1_copy(saved, tmp_path):
-    return write_format1(tmp_path / "format1", saved[1])
-
-
-def rewrite_manifest(path: Path, edit) -> None:
-    manifest = json.loads((path / "manifest.json").read_text())
-    edit(manifest)
-    (path / "manifest.json").write_text(json.dumps(manifest))
 
 
 def expect_load_error(path: Path, *fragments: str) -> str:
@@ -125,14 +95,9 @@ def test_manifest_and_tensors_have_full_logical_shapes(saved):
     assert (path.parent / "latest").read_text().strip() == path.name
 
 
-def test_format1_checkpoints_still_load_and_export(format1_copy, saved, tmp_path):
-    assert read_manifest(format1_copy)["format_version"] == 1
-    resumed = make_trainer()
-    load_checkpoint(format1_copy, resumed)
-    assert np.array_equal(resumed.model.store.data, saved[1].model.store.data)
-    assert np.array_equal(resumed.optimizer.adam.v, saved[1].optimizer.adam.v)
-    with np.load(export_npz(format1_copy, tmp_path / "w.npz")) as old, np.load(export_npz(saved[0], tmp_path / "n.npz")) as new:
-        assert all(np.array_equal(old[k], new[k]) for k in new.files if k != "__model_config__")
+def test_a_format1_checkpoint_is_refused_with_the_way_to_convert_it(copy_of):
+    rewrite_manifest(copy_of, lambda m: m.update(format_version=1))
+    expect_load_error(copy_of, "format 1", "no longer reads", "docs/08-checkpoints-and-sampling.md")
 
 
 def test_latest_ignores_crash_leftovers_and_the_next_save_removes_only_its_own(tmp_path):
@@ -199,20 +164,16 @@ def test_model_config_mismatch_names_every_field(saved):
                            replace(MODEL, n_heads=4))
 
 
-@pytest.mark.parametrize("fmt", [1, 2])
-def test_truncated_tensor_is_refused(copy_of, format1_copy, fmt):
-    path, relpath = (format1_copy, "adam_v/blocks.1.mlp.fc.weight.npy") if fmt == 1 else (copy_of, SHARD)
-    (path / relpath).write_bytes((path / relpath).read_bytes()[:-100])
-    expect_load_error(path, relpath, "bytes", "truncated")
+def test_truncated_shard_is_refused(copy_of):
+    (copy_of / SHARD).write_bytes((copy_of / SHARD).read_bytes()[:-100])
+    expect_load_error(copy_of, SHARD, "bytes", "truncated")
 
 
-@pytest.mark.parametrize("fmt", [1, 2])
-def test_flipped_byte_fails_the_checksum(copy_of, format1_copy, fmt):
-    path, relpath = (format1_copy, "params/ln_f.weight.npy") if fmt == 1 else (copy_of, SHARD)
-    data = bytearray((path / relpath).read_bytes())
+def test_flipped_byte_fails_the_checksum(copy_of):
+    data = bytearray((copy_of / SHARD).read_bytes())
     data[-3] ^= 0x01
-    (path / relpath).write_bytes(bytes(data))
-    expect_load_error(path, relpath, "fails its crc32 checksum")
+    (copy_of / SHARD).write_bytes(bytes(data))
+    expect_load_error(copy_of, SHARD, "fails its crc32 checksum")
 
 
 def test_newer_format_version_is_refused(copy_of):
@@ -221,13 +182,15 @@ def test_newer_format_version_is_refused(copy_of):
     assert message == "checkpoint format version 3 is newer than this numpitron supports (2); upgrade numpitron"
 
 
-def test_object_array_that_needs_pickle_is_refused(format1_copy):
-    relpath, copy_of = "params/ln_f.bias.npy", format1_copy
-    np.save(copy_of / relpath, np.array([{"evil": 1}] * 32, dtype=object), allow_pickle=True)
-    # Size and checksum updated, so only the pickle check can object.
-    size, crc = (copy_of / relpath).stat().st_size, file_checksum(copy_of / relpath)
-    rewrite_manifest(copy_of, lambda m: m["tensors"][relpath].update(bytes=size, crc32=crc))
-    expect_load_error(copy_of, relpath, "would need pickle; refusing to load")
+def test_an_archive_holding_an_object_array_is_refused_before_loading(saved, tmp_path):
+    archive = export_npz(saved[0], tmp_path / "w.npz")
+    with np.load(archive) as npz:
+        arrays = dict(npz)
+    arrays["ln_f.bias"] = np.array([{"evil": 1}] * 32, dtype=object)
+    np.savez(tmp_path / "evil.npz", allow_pickle=True, **arrays)
+    with pytest.raises(UserError, match="would need pickle; refusing to load"):
+        import_npz(tmp_path / "evil.npz", tmp_path / "root")
+    assert not (tmp_path / "root").exists()
 
 
 def duplicate_half(manifest):
@@ -264,9 +227,7 @@ def test_missing_or_broken_manifest_is_refused(copy_of, tmp_path):
     expect_load_error(tmp_path / "no-such-dir", "checkpoint not found")
 
 
-def test_missing_tensor_file_is_refused(copy_of, format1_copy):
-    (format1_copy / "adam_m" / "embedding.position.weight.npy").unlink()
-    expect_load_error(format1_copy, "adam_m/embedding.position.weight.npy is missing")
+def test_missing_shard_is_refused(copy_of):
     (copy_of / SHARD).unlink()
     expect_load_error(copy_of, f"{SHARD} is missing (one rank's shard)")
 

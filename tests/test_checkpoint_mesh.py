@@ -149,17 +149,19 @@ def test_a_stage_reads_only_the_shards_that_hold_its_tensors(shared_dir, monkeyp
 
 @pytest.mark.parallel(nprocs=2)
 def test_checkpoints_move_between_schedules_and_virtual_stage_counts(shared_dir):
-    """Interleaving changes which blocks a rank holds (rank 0: blocks 0 and 2 of 4), not
-    their names: interleaved v=2 -> zero-bubble -> 1F1B v=1 on one stage -> interleaved,
-    two iterations each, one uninterrupted serial trajectory."""
+    """Interleaving changes which blocks a rank holds (rank 0: blocks 0 and 2 of 4), and
+    so does a V (rank 0: blocks 0 and 3, and the one token embedding for both ends),
+    not their names: interleaved v=2 -> ZB-V -> zero-bubble -> DualPipeV -> 1F1B v=1 on
+    one stage -> interleaved, two iterations each, one uninterrupted serial trajectory."""
     model = tiny_model(n_layers=4, n_heads=2)
     serial = make_trainer(model, train_cfg(), Topology.serial())
-    expected = train_steps(serial, 8, TOKENS)
-    chain = [dict(pipeline=2, schedule="interleaved", virtual_stages=2), dict(pipeline=2, schedule="zero-bubble"),
+    chain = [dict(pipeline=2, schedule="interleaved", virtual_stages=2), dict(pipeline=2, schedule="zb-v"),
+             dict(pipeline=2, schedule="zero-bubble"), dict(pipeline=2, schedule="dualpipev"),
              dict(data=2, schedule="1f1b"), dict(pipeline=2, schedule="interleaved", virtual_stages=2)]
+    expected = train_steps(serial, 2 * len(chain), TOKENS)
     path = None
     for step, layout in enumerate(chain):
-        trainer = make_trainer(model, train_cfg(), **layout)
+        trainer = make_trainer(model, train_cfg(micro_batch_size=1), **layout)     # a V needs m >= 2p - 1 = 3
         if path is not None:
             load_checkpoint(path, trainer)
         assert trainer.iteration == 2 * step

@@ -207,3 +207,26 @@ def test_overlapped_buckets_start_during_the_backward():
         checks[f"overlap={overlap} calls"] = (measured(snap, "dp_cp.all_reduce", "calls"), n + 1)
         checks[f"overlap={overlap} seconds counted"] = measured(snap, "dp_cp.all_reduce", "seconds") > 0
     assert_on_every_rank(checks)
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_v_schedules_send_where_the_v_crosses_ranks_and_keep_one_embedding():
+    """A V of p = 2 (rank 0: virtual stages 0 and 3, rank 1: 1 and 2) sends each
+    micro-batch's activation and gradient across only where neighbouring stages sit on
+    different ranks: two messages per rank, none at the bottom of the V (1 to 2). Both
+    ends on rank 0: one token embedding, no all-reduce of it. In flight: 2p chunks
+    (ZB-V, 1F1B's memory) or 2p + 1 (DualPipeV)."""
+    checks, tokens = {}, tiny_tokens()
+    for schedule, peak in (("zb-v", 4), ("dualpipev", 5)):
+        trainer = make_trainer(pipeline=2, schedule=schedule)
+        topo, cfg, m = trainer.topo, trainer.model_cfg, trainer.num_microbatches
+        activation = trainer.train_cfg.micro_batch_size * cfg.seq_len * cfg.d_model * trainer.model.dtype.itemsize
+        snap = one_step(trainer, tokens)
+        checks.update({
+            f"{schedule} pp.send": (measured(snap, "pp.send"), m * 2 * activation),
+            f"{schedule} pp.recv": (measured(snap, "pp.recv"), m * 2 * activation),
+            f"{schedule} embedding.all_reduce": (measured(snap, "embedding.all_reduce"), 0),
+            f"{schedule} embedding here": (bool(trainer.model.tied), topo.pp_rank == 0),
+            f"{schedule} loss broadcast": (measured(snap, "pp.broadcast"), F64),
+            f"{schedule} peak": (trainer.last_pipeline_stats.peak_in_flight, peak)})
+    assert_on_every_rank(checks)

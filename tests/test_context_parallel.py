@@ -1,6 +1,7 @@
-"""Context parallelism: the online-softmax merge on its own, the zigzag split, the ring's
-bytes against the formula, checkpoints from a cp mesh, and bad flags. (Training
-equivalence with one process is in test_equivalence.py.)"""
+"""Context parallelism: the zigzag split, the ring's bytes against the formula,
+checkpoints from a cp mesh, and bad flags. (The online-softmax merge of blocks is
+held to whole attention in test_kernels_vs_reference.py; training equivalence with
+one process is in test_equivalence.py.)"""
 
 import numpy as np
 import pytest
@@ -8,57 +9,10 @@ from mpi4py import MPI
 
 from numpitron.checkpoint import load_checkpoint, save_checkpoint
 from numpitron.distributed.topology import Topology
-from numpitron.distributed.zigzag import Chunk, contiguous_chunks, local_positions, zigzag_chunks
-from numpitron.nn.blockwise_attention import AttentionState, attend_block, attend_block_backward, query_tiles
-from numpitron.nn.blockwise_attention import visible_keys
+from numpitron.distributed.zigzag import contiguous_chunks, local_positions, zigzag_chunks
 from tests.harness import assert_on_every_rank, make_trainer, serial_reference, tiny_model, tiny_tokens, tiny_train
 from tests.harness import error_lines, run_script, train_steps
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
-
-B, H, T, D = 2, 3, 12, 4
-
-
-def dense_attention(q, k, v):
-    """Plain causal softmax attention over positions 0..T-1 and its gradients for a
-    given dO, as the reference."""
-    s = q @ k.transpose(0, 1, 3, 2) + np.triu(np.full((T, T), -np.inf), 1)
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    return p @ v, p
-
-
-@pytest.mark.parametrize("tile", [None, 3])
-def test_blockwise_attention_equals_plain_softmax_in_any_block_order(tile):
-    """Keys arrive in three blocks, in an order where some query chunks see nothing of
-    the first block (fully masked: skipped) and others see it whole; in query tiles of
-    3 rows some tiles see only part of a block (cut, and masked): the merged output and
-    every gradient equal plain attention's."""
-    rng = np.random.default_rng(0)
-    q, k, v, dout = (rng.standard_normal((B, H, T, D)) for _ in range(4))
-    expected, p = dense_attention(q, k, v)
-    ds = p * (dout @ v.transpose(0, 1, 3, 2) - (dout * expected).sum(-1, keepdims=True))
-    grads = {"dq": ds @ k, "dk": ds.transpose(0, 1, 3, 2) @ q, "dv": p.transpose(0, 1, 3, 2) @ dout}
-
-    q_chunks = [Chunk(0, 4, 0), Chunk(4, 8, 4), Chunk(8, 12, 8)]
-    if tile:
-        q_chunks = query_tiles(q_chunks, tile)
-        assert visible_keys(Chunk(3, 6, 3), [Chunk(0, 4, 4)]) == [Chunk(0, 2, 4)]
-    blocks = [(8, 12), (0, 4), (4, 8)]               # the latest keys first
-    state, saved = AttentionState(q), []
-    for lo, hi in blocks:
-        saved.append(attend_block(q, q_chunks, k[:, :, lo:hi], v[:, :, lo:hi], [Chunk(0, hi - lo, lo)], state))
-    # only the last query chunk sees the latest keys (and, in tiles, the tile before it)
-    assert [group[1] for group in saved[0]] == ([3, 4] if tile else [4])
-    assert rel_diff(state.out, expected) <= EQUIV_RTOL_FLOAT64
-
-    dq, dk, dv = np.empty_like(q), np.zeros_like(k), np.zeros_like(v)
-    d_rowsum = (dout * state.out).sum(-1, keepdims=True)
-    written = set()
-    for (lo, hi), block_saved in zip(blocks, saved):
-        attend_block_backward(block_saved, q, k[:, :, lo:hi], v[:, :, lo:hi], dout, d_rowsum, state, dq,
-                              dk[:, :, lo:hi], dv[:, :, lo:hi], written, block_grads_fresh=False)
-    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
-        assert rel_diff(got, grads[name]) <= EQUIV_RTOL_FLOAT64, name
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])

@@ -17,7 +17,8 @@ TWO_RANKS = [dict(data=2, bucket_size=2000), dict(tensor=2), dict(pipeline=2, sc
              dict(tensor=2, sequence_parallel=True), dict(tensor=2, recompute="selective"),
              dict(tensor=2, recompute="full"), dict(tensor=2, sequence_parallel=True, recompute="selective"),
              dict(tensor=2, sequence_parallel=True, recompute="full"),
-             dict(pipeline=2, schedule="interleaved", virtual_stages=2), dict(pipeline=2, schedule="zero-bubble")]
+             dict(pipeline=2, schedule="interleaved", virtual_stages=2), dict(pipeline=2, schedule="zero-bubble"),
+             dict(pipeline=2, schedule="zb-v"), dict(pipeline=2, schedule="dualpipev")]
 # Interleaved and zero-bubble alone on four stages, and with tp, dp, ZeRO-1, cp,
 # sequence parallelism and recomputation, pairwise.
 FOUR_RANKS = [dict(data=4), dict(tensor=4), dict(tensor=2, data=2, bucket_size=1500), dict(pipeline=4, schedule="gpipe"),
@@ -48,6 +49,30 @@ def test_two_ranks_match_serial(mesh):
 @pytest.mark.parametrize("mesh", FOUR_RANKS, ids=mesh_id)
 def test_four_ranks_match_serial(mesh):
     check_mesh(mesh)
+
+
+# The V schedules on four stages (m = 7, the fewest they run: 2p - 1) and with tp,
+# sequence parallelism, recomputation, dp and ZeRO-1 and 2, pairwise.
+V_MESHES = [(dict(pipeline=4, schedule="zb-v", n_layers=8), 14),
+            (dict(pipeline=4, schedule="dualpipev", n_layers=8), 14),
+            (dict(pipeline=2, tensor=2, schedule="zb-v", sequence_parallel=True), 8),
+            (dict(pipeline=2, tensor=2, schedule="dualpipev", recompute="selective"), 8),
+            (dict(pipeline=2, data=2, schedule="zb-v", zero_stage=2), 12),
+            (dict(pipeline=2, data=2, schedule="dualpipev", zero_stage=1, bucket_size=2000), 12)]
+
+
+@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("mesh, global_batch", V_MESHES, ids=[mesh_id(mesh) for mesh, _ in V_MESHES])
+def test_v_schedules_on_four_ranks_match_serial(mesh, global_batch):
+    check_mesh(mesh, global_batch_size=global_batch)
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipev"])
+def test_a_v_on_one_process_hands_its_chunks_over_in_memory(schedule):
+    """p = 1: both chunks on the one rank, every hand-over from chunk 0 to chunk 1 (and
+    back) made in memory, none sent."""
+    run = check_mesh(dict(schedule=schedule))
+    assert run.trainer.topo.stats.calls.get("pp.send", 0) == 0
 
 
 @pytest.mark.parallel(nprocs=8)

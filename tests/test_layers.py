@@ -8,8 +8,6 @@ gradient untouched; `backward_weights(cache)` must then accumulate dL/dparam; an
 (L(a + eps) - L(a - eps)) / (2 eps) for that entry.
 """
 
-import warnings
-
 import numpy as np
 import pytest
 
@@ -22,7 +20,7 @@ from numpitron.nn.attention import ParallelAttention
 from numpitron.nn.block import Block
 from numpitron.nn.cross_entropy import VocabParallelCrossEntropy
 from numpitron.nn.embedding import Embeddings, PositionEmbedding, VocabParallelEmbedding, VocabShard
-from numpitron.nn.functional import TILE_ELEMENTS, bias_gelu_forward, gelu_backward_
+from numpitron.nn.functional import bias_gelu_forward, gelu_backward_
 from numpitron.nn.head import LanguageModelHead, TiedLMHead
 from numpitron.nn.layer import cache_nbytes
 from numpitron.nn.layernorm import LayerNorm
@@ -100,7 +98,7 @@ def test_attention_in_query_tiles_skips_the_future_and_keeps_what_the_formula_sa
     cache = block.forward(rand_x())[1]
     # T = 5 is chunks [0, 2) and [2, 5); each tile sees the keys up to its last query
     ends = {1: [1, 2, 3, 4, 5], 2: [2, 4, 5]}[tile]
-    assert [end for _, end, _, _ in cache["attn"]["saved"][0]] == ends
+    assert [group.key_end for group in cache["attn"]["groups"][0]] == ends
     assert attention_area(T) == {1: 15, 2: 2 * 2 + 2 * 4 + 1 * 5}[tile] < T * T
     assert cache_nbytes(cache) == block_activation_bytes(B, T, C, H, itemsize=8)
 
@@ -153,35 +151,12 @@ def test_cross_entropy_equals_minus_log_softmax():
     assert rel_diff(loss, expected) <= EQUIV_RTOL_FLOAT64
 
 
-def test_bias_gelu_matches_tanh_formula_and_its_derivative_across_tiles():
-    # more rows than one tile holds, and both far tails (exp(-2u) overflows below
-    # x = -22 in float64, -10 in float32)
-    rows, cols = 300, 241
-    assert rows * cols > TILE_ELEMENTS
-    bias = np.random.default_rng(1).normal(size=cols)
-    x = np.linspace(-30, 8, rows * cols).reshape(rows, cols)
-    h = x - bias
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")              # the overflow is expected and silenced
-        y, slope = bias_gelu_forward(h, bias)
-    assert slope is h                                 # the slope is stored over GELU's input
-    expected = 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
-    assert rel_diff(y, expected) <= EQUIV_RTOL_FLOAT64
-    assert np.all(np.isfinite(slope)) and np.all(y[x < -23] == 0) and np.all(slope[x < -23] == 0)
-    # the derivative, in extended precision and in a form without cancellation in the
-    # tails: 1 + tanh(u) = 2 / (1 + e^(-2u)), 1 - tanh(u)^2 = 1 / cosh(u)^2
-    xl = (x - bias + bias).astype(np.longdouble)      # GELU's input exactly as the forward formed it
-    s, a = np.sqrt(np.longdouble(2) / np.pi), np.longdouble(0.044715)
-    u = s * (xl + a * xl ** 3)
-    dgelu = 1 / (1 + np.exp(-2 * u)) + 0.5 * xl * s * (1 + 3 * a * xl ** 2) / np.cosh(u) ** 2
-    assert rel_diff(slope, dgelu.astype(np.float64)) <= EQUIV_RTOL_FLOAT64
-    dy = np.random.default_rng(0).normal(size=x.shape)
-    dx = gelu_backward_(dy.copy(), slope)
-    assert rel_diff(dx, (dy * dgelu).astype(np.float64)) <= EQUIV_RTOL_FLOAT64
-    # and central differences where they are accurate (away from the far tails)
-    hc, zero, dyc = np.linspace(-3, 3, 61)[None, :], np.zeros(61), dy[:1, :61]
-    slope_c = bias_gelu_forward(hc.copy(), zero)[1]
-    assert_fd("gelu", gelu_backward_(dyc.copy(), slope_c), lambda: bias_gelu_forward(hc.copy(), zero)[0], dyc, hc)
+def test_bias_gelu_backward_by_finite_differences():
+    # the kernel against the formula, across tiles and in both tails: test_kernels_vs_reference.py
+    h, zero = np.linspace(-3, 3, 61)[None, :], np.zeros(61)
+    dy = np.random.default_rng(0).normal(size=h.shape)
+    slope = bias_gelu_forward(h.copy(), zero)[1]
+    assert_fd("gelu", gelu_backward_(dy.copy(), slope), lambda: bias_gelu_forward(h.copy(), zero)[0], dy, h)
 
 
 def tiny_stage():

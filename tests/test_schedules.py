@@ -3,24 +3,32 @@ once), its dependencies respected and deadlock-free (the unit-cost timeline runs
 end), its bubble the papers' formula, its memory what the papers say; and what a
 schedule cannot run is one clear error."""
 
+from fractions import Fraction
+
 import pytest
 from mpi4py import MPI
 
-from numpitron.config import SCHEDULES, ParallelConfig, check_layout
+from numpitron.config import SCHEDULES, SPLIT_BACKWARD, V_SHAPED, ParallelConfig, check_layout
+from numpitron.distributed.stages import StagePlacement
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
 from numpitron.model import GPTStage
 from numpitron.nn.layer import Layer
 from numpitron.parallel.pipeline import check_backward_splits
 from numpitron.parallel.schedules import (BACKWARD, FORWARD, Op, ScheduleError, closed_form_bubble, format_schedule,
-                                          ideal_bubble, make_schedule, peak_in_flight, simulate)
+                                          ideal_bubble, make_schedule, peak_in_flight, placement_of, simulate)
 from tests.harness import make_trainer, tiny_model, tiny_train
 
 
 def cases():
-    """(schedule, p, m, v) for p up to 8 and several m each (interleaving: m a multiple of p)."""
+    """(schedule, p, m, v) for p up to 8 and several m each (interleaving: m a multiple of
+    p; a V: two chunks per rank and m >= 2p - 1)."""
     for name in SCHEDULES:
         for p in range(1, 9):
+            if name in V_SHAPED:
+                for m in sorted({2 * p - 1, 2 * p, 2 * p + 1, 3 * p, 4 * p + 3}):
+                    yield name, p, m, 2
+                continue
             for v in ((2, 3) if name == "interleaved" else (1,)):
                 if name == "interleaved" and p == 1:
                     continue
@@ -36,11 +44,11 @@ def test_every_schedule_is_complete_and_runs_to_the_end(name):
         if schedule != name:
             continue
         stages = [make_schedule(name, m, p, stage, v) for stage in range(p)]
-        finish = simulate(stages, m, v)                 # raises if incomplete or stuck
+        finish = simulate(stages, m, v, v_shape=name in V_SHAPED)      # raises if incomplete or stuck
         assert len(finish) == p and all(t > 0 for t in finish)
         split = any(op.action == "W" for ops in stages for op in ops)
-        assert split == (name == "zero-bubble")
-        assert all(len(ops) == m * v * (3 if split else 2) for ops in stages)
+        assert split == (name in SPLIT_BACKWARD)
+        assert all(sum(op.action == FORWARD for op in ops) == m * v for ops in stages)
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
@@ -48,6 +56,9 @@ def test_the_timeline_has_the_papers_bubble(name):
     for schedule, p, m, v in cases():
         if schedule == name and (name != "zero-bubble" or m >= p):
             assert ideal_bubble(name, p, m, v) == pytest.approx(closed_form_bubble(name, p, m, v), abs=1e-12)
+            if name in V_SHAPED:        # (p-1)/2 of 1F1B's units idle per rank: half ZB-H1's bubble in time
+                makespan = 3 * m + Fraction(p - 1, 2)
+                assert ideal_bubble(name, p, m, v) == pytest.approx(float((p - 1) / 2 / makespan), abs=1e-12)
     # ZB-H1's bubble is a third of 1F1B's in time (Qi et al. 2024, Fig. 3): (p-1) of
     # 3m+p-1 units against 3(p-1) of 3m+3(p-1).
     p, m = 4, 8
@@ -64,6 +75,11 @@ def test_the_schedules_print_as_the_papers_draw_them():
     assert format_schedule(make_schedule("zero-bubble", 4, 3, 0)) == "F0 F1 F2 B0 W0 F3 B1 W1 B2 W2 B3 W3"
     # interleaved, rank 0 of 2 with 2 chunks: p micro-batches through chunk 0, then chunk 1
     assert format_schedule(make_schedule("interleaved", 2, 2, 0, 2)) == "F0 F1 F0:1 F1:1 BW0:1 BW1:1 BW0 BW1"
+    # the V, p = 2, m = 4, rank 1 (stages 1 and 2): F0:1 follows F0 at once, in memory
+    assert format_schedule(make_schedule("zb-v", 4, 2, 1)) == \
+        "F0 F0:1 F1 F1:1 B0:1 W0:1 B0 W0 F2 F2:1 B1:1 W1:1 B1 W1 F3 F3:1 B2:1 B2 B3:1 B3 W2:1 W2 W3:1 W3"
+    assert format_schedule(make_schedule("dualpipev", 4, 2, 1)) == \
+        "F0 F0:1 F1 F1:1 F2 BW0:1 F2:1 BW0 F3 BW1:1 F3:1 BW1 BW2:1 BW2 B3:1 B3 W3:1 W3"
 
 
 def test_one_f_one_b_is_its_three_phases_and_interleaving_with_one_chunk():
@@ -95,6 +111,46 @@ def test_peak_in_flight_per_stage():
     assert [peak_in_flight(make_schedule("interleaved", m, p, s, 2)) for s in range(p)] == [8, 7, 6, 5]
 
 
+def test_the_v_places_the_first_and_last_stage_on_rank_0():
+    """Rank r holds virtual stages r and 2p-1-r; the loop (interleaving) r, p+r, ...;
+    `holder` inverts `stage` for both."""
+    for p in range(1, 9):
+        v_shape, loop = StagePlacement(p, 2, True), StagePlacement(p, 2)
+        assert [(v_shape.stage(r, 0), v_shape.stage(r, 1)) for r in range(p)] == [(r, 2 * p - 1 - r) for r in range(p)]
+        assert [(loop.stage(r, 0), loop.stage(r, 1)) for r in range(p)] == [(r, p + r) for r in range(p)]
+        assert v_shape.rank_of(0) == v_shape.rank_of(2 * p - 1) == 0 and loop.rank_of(2 * p - 1) == p - 1
+        assert v_shape.rank_of(p - 1) == v_shape.rank_of(p) == p - 1          # the bottom of the V: no message
+        for placement in (v_shape, loop, StagePlacement(p, 3, True)):
+            assert sorted(placement.stage(r, c) for r in range(p) for c in range(placement.v)) == \
+                list(range(placement.stages))
+            assert all(placement.holder(placement.stage(r, c)) == (r, c) for r in range(p) for c in range(placement.v))
+    assert placement_of("zb-v", 4) == StagePlacement(4, 2, True) and placement_of("interleaved", 4, 3).v == 3
+
+
+def test_v_schedules_bubble_and_memory_against_the_papers():
+    """ZB-V (Qi et al. 2024): every rank busy from its first operation to its last (the
+    paper's zero bubble; only the start, r chunk forwards on rank r, is idle) in 1F1B's
+    memory, 2p chunks of half a stage. DualPipeV: 2p + 1 chunks (the DualPipe README's
+    PP + 1 with PP = 2p stages), and with its pairs started together the README's
+    bubble (PP/2 - 1)(F&B + B - 3W), F&B = F + B on a CPU; started apart, as the
+    executor does, half of it."""
+    for p in range(2, 9):
+        for m in (2 * p - 1, 3 * p, 4 * p + 1):
+            zbv, dpv = ([make_schedule(name, m, p, r) for r in range(p)] for name in ("zb-v", "dualpipev"))
+            assert [peak_in_flight(ops) for ops in zbv] == [2 * p] * p
+            assert max(peak_in_flight(ops) for ops in dpv) == 2 * p + 1
+            events = {}
+            finish = simulate(zbv, m, 2, v_shape=True, events=events)
+            for r in range(p):
+                spans = [span for (op, rank), span in events.items() if rank == r]
+                start = min(begin for begin, _ in spans)
+                assert start == Fraction(r, 2) and finish[r] - start == 3 * m        # no gap once started
+            chunk = {"F": Fraction(1, 2), "B": Fraction(2, 2), "W": Fraction(1, 2)}      # B: a whole backward
+            readme = (p - 1) * ((chunk["F"] + chunk["B"]) + chunk["B"] - 3 * chunk["W"])
+            for paired, idle in ((True, readme), (False, readme / 2)):
+                assert max(simulate(dpv, m, 2, v_shape=True, paired=paired)) == 3 * m + idle
+
+
 def test_the_checker_finds_broken_schedules():
     m, p = 4, 2
     good = [make_schedule("1f1b", m, p, s) for s in range(p)]
@@ -120,6 +176,9 @@ def test_the_checker_finds_broken_schedules():
     (4, 1, 2, "interleaved", 8, "it needs --pipeline-parallel-size 2 or more"),
     (4, 2, 1, "interleaved", 8, "--pipeline-schedule interleaved and --virtual-stages 2 or more go together"),
     (4, 2, 2, "zero-bubble", 8, "--pipeline-schedule interleaved and --virtual-stages 2 or more go together"),
+    (4, 2, 3, "zb-v", 8, "--pipeline-schedule zb-v places exactly two chunks on each rank (a V)"),
+    (6, 2, 1, "dualpipev", 8, "n_layers (6) must be divisible by 2 x the pipeline-parallel size (4)"),
+    (4, 2, 1, "dualpipev", 4, "needs at least 2 x pipeline-parallel size - 1 = 3 micro-batches per step"),
 ])
 def test_what_a_schedule_cannot_run_is_one_clear_error(layers, pipeline, virtual, schedule, global_batch, message):
     with pytest.raises(UserError) as error:

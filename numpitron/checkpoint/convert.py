@@ -1,7 +1,7 @@
 """Checkpoint <-> single .npz archive of the model's parameters (no MPI needed).
 
-    python -m numpitron.checkpoint.convert export CKPT_DIR OUT.npz
-    python -m numpitron.checkpoint.convert import IN.npz ROOT
+    python -m numpitron.checkpoint.convert export CKPT_DIR OUT.npz [--force]
+    python -m numpitron.checkpoint.convert import IN.npz ROOT          ROOT: no checkpoints yet
     python -m numpitron.checkpoint.convert hf-export CKPT_DIR OUT_DIR    (huggingface.py)
     python -m numpitron.checkpoint.convert hf-import HF_DIR ROOT
 
@@ -18,29 +18,41 @@ from pathlib import Path
 
 import numpy as np
 
-from numpitron.checkpoint.load import open_reader
-from numpitron.checkpoint.manifest import TMP_PREFIX, read_manifest
-from numpitron.checkpoint.save import write_checkpoint
+from numpitron.checkpoint.load import manifest_model_config, open_reader
+from numpitron.checkpoint.manifest import LATEST_NAME, MANIFEST_NAME, TMP_PREFIX, iter_dirs, iteration_of, read_manifest
+from numpitron.checkpoint.save import write_serial_checkpoint
+from numpitron.checkpoint.sharded import cut_range
 from numpitron.config import ModelConfig, ParallelConfig, from_dict, to_dict
+from numpitron.distributed.gather import saved_params
 from numpitron.errors import UserError
+from numpitron.memory import check_model_fits
 
 CONFIG_KEY = "__model_config__"
 
 
-def export_npz(checkpoint_dir, out_file) -> Path:
-    """Write the checkpoint's (verified) parameters to `out_file`, exactly that name."""
+def export_npz(checkpoint_dir, out_file, overwrite: bool = False) -> Path:
+    """Write the checkpoint's (verified) parameters to `out_file`, exactly that name. An
+    existing file is replaced only if `overwrite`, and never one that is not a regular
+    file or lies inside a checkpoint."""
     checkpoint_dir, out_file = Path(checkpoint_dir), Path(out_file)
+    check_output_file(out_file, overwrite)
     manifest = read_manifest(checkpoint_dir)
-    reader = open_reader(checkpoint_dir, manifest, ("params",))
-    arrays = {name: np.asarray(reader.full("params", name)) for name in reader.names("params")}
-    if not arrays:
-        raise UserError(f"checkpoint {checkpoint_dir} holds no parameters")
+    model_cfg = manifest_model_config(manifest, checkpoint_dir)
+    reader = open_reader(checkpoint_dir, manifest)
+    _, expected = serial_model(model_cfg, f"exporting {checkpoint_dir}", twice=True)
+    held = set(reader.names("params"))
+    missing, extra = sorted(expected.keys() - held), sorted(held - expected.keys())
+    if missing or extra:
+        raise UserError(f"corrupt checkpoint {checkpoint_dir}: its tensors do not match its model config: missing "
+                        f"{_few(missing)}, unexpected {_few(extra)}")
+    arrays = {name: np.asarray(reader.getter("params", np.dtype(model_cfg.dtype))(name, shape))
+              for name, shape in expected.items()}
     arrays[CONFIG_KEY] = np.array(json.dumps(manifest["model_config"]))
     # A temporary beside the target, then a rename: no half-written archive. An open
     # file also stops np.savez from appending ".npz" to a name that lacks it.
     tmp = out_file.with_name(f"{TMP_PREFIX}{out_file.name}-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "xb") as f:
             np.savez(f, allow_pickle=False, **arrays)
         os.replace(tmp, out_file)
     except OSError as error:
@@ -52,44 +64,82 @@ def export_npz(checkpoint_dir, out_file) -> Path:
     return out_file
 
 
+def check_output_file(out_file: Path, overwrite: bool) -> None:
+    """Refuse to write inside a checkpoint (or over a checkpoint root's `latest`), to
+    replace anything but a regular file, or to replace a file unless told to."""
+    for directory in [out_file.parent.resolve(), *out_file.parent.resolve().parents]:
+        if iteration_of(directory) is not None or (directory / MANIFEST_NAME).exists():
+            raise UserError(f"refusing to write {out_file} inside checkpoint {directory}")
+    if out_file.name == LATEST_NAME and iter_dirs(out_file.parent):
+        raise UserError(f"refusing to write {out_file}: it is the checkpoints' pointer to the newest one")
+    if out_file.is_symlink() or (out_file.exists() and not out_file.is_file()):
+        raise UserError(f"refusing to replace {out_file}: it is not a regular file")
+    if out_file.exists() and not overwrite:
+        raise UserError(f"{out_file} exists; pass --force to replace it")
+
+
+def serial_model(model_cfg, what: str, twice: bool = False):
+    """(the one-process model of `model_cfg`, {name: logical shape} of every tensor its
+    checkpoint holds), after checking that it fits in memory (`twice`: with a second
+    copy of its parameters beside it). It communicates with nobody."""
+    from numpitron.distributed.topology import Topology
+    from numpitron.model import GPTStage
+    topo = Topology.serial()
+    check_model_fits(model_cfg, topo, parameter_copies=int(twice), what=what)
+    model = GPTStage(model_cfg, topo)
+    return model, {p.name: p.logical_shape for store in model.stores for p in saved_params(model, store)}
+
+
 def import_npz(npz_file, root) -> Path:
     """A fresh checkpoint (iteration 0, zero Adam state) in ROOT from an archive;
-    ROOT/latest then points at it. Returns the checkpoint directory."""
+    ROOT/latest then points at it. Returns the checkpoint directory. ROOT must hold no
+    checkpoints: an import never rewinds a run."""
     npz_file, root = Path(npz_file), Path(root)
-    arrays, model_cfg = _read_archive(npz_file)
-    from numpitron.distributed.topology import Topology
-    from numpitron.distributed.gather import saved_params
-    from numpitron.model import GPTStage
-    # The one-process model says which tensors, of which shapes, a checkpoint of this
-    # config must hold. It communicates with nobody.
-    expected = {p.name: p.logical_shape for p in saved_params(GPTStage(model_cfg, Topology.serial()))}
-    missing, extra = sorted(expected.keys() - arrays.keys()), sorted(arrays.keys() - expected.keys())
-    if missing or extra:
-        raise UserError(f"{npz_file} does not match its model config: missing {_few(missing)}, "
-                        f"unexpected {_few(extra)}")
-    dtype = np.dtype(model_cfg.dtype)
-    params = {}
-    for name, shape in expected.items():
-        array = arrays[name]
-        if array.shape != shape or not np.issubdtype(array.dtype, np.floating):
-            raise UserError(f"{npz_file}: {name} is {array.dtype}{list(array.shape)}, expected a float array "
-                            f"of shape {list(shape)}")
-        params[name] = array.astype(dtype)
-    zeros = {name: np.zeros_like(a) for name, a in params.items()}
+    if iter_dirs(root) or (root / LATEST_NAME).exists() or (root / LATEST_NAME).is_symlink():
+        raise UserError(f"{root} already holds checkpoints: import into a new or empty directory")
+    with _open_archive(npz_file) as archive:
+        model_cfg, headers = _archive_index(npz_file, archive)
+        # The model says which tensors, of which shapes, a checkpoint of this config holds;
+        # the archive's headers are compared with it before a byte of data is read.
+        model, expected = serial_model(model_cfg, f"importing {npz_file}", twice=True)
+        missing, extra = sorted(expected.keys() - headers.keys()), sorted(headers.keys() - expected.keys())
+        if missing or extra:
+            raise UserError(f"{npz_file} does not match its model config: missing {_few(missing)}, "
+                            f"unexpected {_few(extra)}")
+        for name, shape in expected.items():
+            found_shape, found_dtype = headers[name]
+            if found_shape != shape or found_dtype.kind != "f":
+                raise UserError(f"{npz_file}: {name} is {found_dtype}{list(found_shape)}, expected a float array "
+                                f"of shape {list(shape)}")
+        arrays = {name: archive[name] for name in expected}
+    return write_fresh_checkpoint(root, model_cfg, arrays, str(npz_file), model)
+
+
+def write_fresh_checkpoint(root: Path, model_cfg, arrays: dict, imported_from: str, model=None, **fields) -> Path:
+    """A checkpoint at iteration 0 with zero Adam state in ROOT, holding `arrays` (full
+    logical tensors by name, already checked against the model); ROOT/latest then points
+    at it. `fields` adds to its manifest (the tokenizer, for one). Both imports end here."""
+    model = model or serial_model(model_cfg, f"importing {imported_from}")[0]
+    sources = []
+    for store in model.stores:
+        params = cut_range(store, 0, store.size, lambda name, shape: arrays[name].astype(store.dtype))
+        zeros = np.zeros(store.size, store.dtype)
+        sources.append((store, saved_params(model, store), 0, {"params": params, "adam_m": zeros, "adam_v": zeros}))
     fields = {
         "model_config": to_dict(model_cfg),
         "parallel_config": to_dict(ParallelConfig()),
         "mesh": None,                   # not written by a training run
-        "train_config": None,           # unknown: the archive has weights only
+        "train_config": None,           # unknown: an import has weights only
         "iteration": 0,
         "adam_step": 0,
         "best_val_loss": None,
         "seed": None,
         "data_state": {"sampler": "seeded-per-iteration", "seed": None, "next_iteration": 0},
-        "imported_from": str(npz_file),
+        "imported_from": imported_from,
+        **fields,
     }
     try:
-        return write_checkpoint(root, 0, {"params": params, "adam_m": zeros, "adam_v": dict(zeros)}, fields)
+        return write_serial_checkpoint(root, 0, fields, sources)
     except OSError as error:
         raise UserError(f"cannot write a checkpoint in {root}: {error.strerror or error}") from None
 
@@ -102,8 +152,8 @@ def _few(names: list[str], shown: int = 3) -> str:
     return ", ".join(names[:shown]) + more
 
 
-def _read_archive(npz_file: Path):
-    """({name: array}, ModelConfig) from an archive, refusing anything that needs pickle."""
+def _open_archive(npz_file: Path):
+    """The archive, opened without pickle, refusing anything that is not an .npz."""
     if not npz_file.is_file():
         raise UserError(f"archive not found: {npz_file}")
     with open(npz_file, "rb") as f:
@@ -114,24 +164,43 @@ def _read_archive(npz_file: Path):
         raise UserError(f"{npz_file} is not an .npz archive")
     try:
         archive = np.load(npz_file, allow_pickle=False)
-        if not isinstance(archive, np.lib.npyio.NpzFile):
-            raise UserError(f"{npz_file} is a single .npy array, not an .npz archive")
-        with archive:
-            arrays = {name: archive[name] for name in archive.files}
+    except (ValueError, OSError, EOFError) as error:
+        raise UserError(f"{npz_file} is not a readable .npz archive: {error}") from None
+    if not isinstance(archive, np.lib.npyio.NpzFile):
+        raise UserError(f"{npz_file} is a single .npy array, not an .npz archive")
+    return archive
+
+
+def _archive_index(npz_file: Path, archive) -> tuple:
+    """(ModelConfig, {name: (shape, dtype)}) from the config entry and the arrays'
+    headers alone: no array's data is read."""
+    if CONFIG_KEY not in archive.files:
+        raise UserError(f"{npz_file} has no {CONFIG_KEY} entry; was it written by export_npz?")
+    headers = {}
+    try:
+        for name in archive.files:
+            if name != CONFIG_KEY:
+                with archive.zip.open(f"{name}.npy") as f:
+                    fmt = np.lib.format
+                    major, _ = fmt.read_magic(f)
+                    shape, _, dtype = (fmt.read_array_header_1_0 if major == 1 else fmt.read_array_header_2_0)(f)
+                if dtype.hasobject:
+                    raise UserError(f"{npz_file} holds Python objects and would need pickle; refusing to load")
+                headers[name] = (tuple(shape), dtype)
+        config = json.loads(str(archive[CONFIG_KEY][()]))
     except ValueError as error:
         if "allow_pickle" in str(error):
             raise UserError(f"{npz_file} holds Python objects and would need pickle; refusing to load") from None
         raise UserError(f"{npz_file} is not a readable .npz archive: {error}") from None
-    except (OSError, EOFError) as error:
+    except (OSError, EOFError, KeyError) as error:
         raise UserError(f"{npz_file} is not a readable .npz archive: {error}") from None
-    if CONFIG_KEY not in arrays:
-        raise UserError(f"{npz_file} has no {CONFIG_KEY} entry; was it written by export_npz?")
     try:
-        config = json.loads(str(arrays.pop(CONFIG_KEY)[()]))
-        model_cfg = from_dict(ModelConfig, config).validate()
-    except (ValueError, TypeError, AttributeError) as error:
+        model_cfg = from_dict(ModelConfig, config).validate(label=lambda name: f"{CONFIG_KEY}.{name}")
+    except (TypeError, AttributeError) as error:
         raise UserError(f"{npz_file}: unreadable {CONFIG_KEY}: {error}") from None
-    return arrays, model_cfg
+    except UserError as error:
+        raise UserError(f"{npz_file}: unusable {CONFIG_KEY}: {error}") from None
+    return model_cfg, headers
 
 
 def main(argv=None) -> int:
@@ -142,6 +211,7 @@ def main(argv=None) -> int:
     export = commands.add_parser("export", help="checkpoint directory -> .npz of its parameters")
     export.add_argument("checkpoint_dir")
     export.add_argument("out_file")
+    export.add_argument("--force", action="store_true", help="replace OUT.npz if it exists (a regular file only)")
     imp = commands.add_parser("import", help=".npz of parameters -> new checkpoint in ROOT")
     imp.add_argument("npz_file")
     imp.add_argument("root")
@@ -152,7 +222,7 @@ def main(argv=None) -> int:
         if args.command.startswith("hf-"):
             print(run_hf_command(args))
         elif args.command == "export":
-            out = export_npz(args.checkpoint_dir, args.out_file)
+            out = export_npz(args.checkpoint_dir, args.out_file, args.force)
             print(f"exported the parameters of {args.checkpoint_dir} to {out}")
         else:
             path = import_npz(args.npz_file, args.root)

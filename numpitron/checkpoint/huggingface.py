@@ -29,11 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-from numpitron.checkpoint.convert import _few
+from numpitron.checkpoint.convert import _few, write_fresh_checkpoint
 from numpitron.checkpoint.load import open_reader
 from numpitron.checkpoint.manifest import LATEST_NAME, TMP_PREFIX, iter_dirs, read_manifest
-from numpitron.checkpoint.save import write_checkpoint
-from numpitron.config import DTYPES, ModelConfig, ParallelConfig, from_dict, to_dict
+from numpitron.config import DTYPES, ModelConfig, from_dict
 from numpitron.data.hf_tokenizer import chars_from_tokenizer_json, tokenizer_json
 from numpitron.data.tokenizer import CharTokenizer
 from numpitron.errors import UserError
@@ -91,7 +90,7 @@ def export_hf(checkpoint_dir, out_dir, data_dir="data") -> Path:
     if tokenizer.vocab_size != model_cfg.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} characters but the model's vocabulary is "
                         f"{model_cfg.vocab_size}")
-    get = open_reader(checkpoint_dir, manifest, ("params",)).getter("params", np.dtype(model_cfg.dtype))
+    get = open_reader(checkpoint_dir, manifest).getter("params", np.dtype(model_cfg.dtype))
     tensors = {theirs: np.ascontiguousarray(get(ours)).reshape(_gpt2_shape(ours, model_cfg))
                for ours, theirs in name_pairs(model_cfg.n_layers)}
     files = {CONFIG: _json_bytes(gpt2_config(model_cfg)),
@@ -109,8 +108,8 @@ def import_hf(hf_dir, root) -> Path:
     """A fresh checkpoint (iteration 0, zero Adam state, the tokenizer in its manifest)
     in ROOT, which must hold no checkpoint yet. Returns the checkpoint directory."""
     hf_dir, root = Path(hf_dir), Path(root)
-    if iter_dirs(root) or (root / LATEST_NAME).exists():
-        raise UserError(f"{root} already holds checkpoints; import into a new directory")
+    if iter_dirs(root) or (root / LATEST_NAME).exists() or (root / LATEST_NAME).is_symlink():
+        raise UserError(f"{root} already holds checkpoints: import into a new or empty directory")
     chars = chars_from_tokenizer_json(_read_json(hf_dir / TOKENIZER), str(hf_dir / TOKENIZER))
     tensors = _read_safetensors(hf_dir / WEIGHTS)
     model_cfg = _model_config(_read_json(hf_dir / CONFIG), hf_dir / CONFIG, tensors, len(chars))
@@ -125,16 +124,7 @@ def import_hf(hf_dir, root) -> Path:
     # CharTokenizer numbers the characters in sorted order: put the embedding's rows in it.
     order = np.argsort(np.array(chars), kind="stable")
     params["embedding.token.weight"] = np.ascontiguousarray(params["embedding.token.weight"][order])
-    tokenizer = CharTokenizer(chars)
-    zeros = {name: np.zeros_like(a) for name, a in params.items()}
-    fields = {"model_config": to_dict(model_cfg), "parallel_config": to_dict(ParallelConfig()), "mesh": None,
-              "train_config": None, "iteration": 0, "adam_step": 0, "best_val_loss": None, "seed": None,
-              "data_state": {"sampler": "seeded-per-iteration", "seed": None, "next_iteration": 0},
-              "tokenizer": tokenizer.to_dict(), "imported_from": str(hf_dir)}
-    try:
-        return write_checkpoint(root, 0, {"params": params, "adam_m": zeros, "adam_v": dict(zeros)}, fields)
-    except OSError as error:
-        raise UserError(f"cannot write a checkpoint in {root}: {error.strerror or error}") from None
+    return write_fresh_checkpoint(root, model_cfg, params, str(hf_dir), tokenizer=CharTokenizer(chars).to_dict())
 
 
 def add_hf_commands(commands) -> None:

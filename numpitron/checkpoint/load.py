@@ -2,25 +2,20 @@
 
 Every rank reads the files itself and asks only for the parts of its stage's flat
 buffers it keeps (`optimizer.state.load`): a reader rebuilds each logical tensor those overlap
-(format 2: from the shards' pieces; format 1: one .npy each, memory-mapped) and the
-rank cuts its own ranges out of it (`sharded.cut_range`), so the mesh that wrote the
-checkpoint does not matter. Nothing is trusted before it is checked against the
-manifest.
+from the shards' pieces and the rank cuts its own slice out of it
+(`sharded.cut_range`), so the mesh that wrote the checkpoint does not matter.
+Nothing is trusted before it is checked against the manifest.
 """
 
 import math
 from dataclasses import fields
 from pathlib import Path
 
-import numpy as np
-
-from numpitron.checkpoint.manifest import (LATEST_NAME, is_complete, iter_dirs, iteration_of,
-                                           read_manifest, tensor_relpath, verify_tensor_file)
+from numpitron.checkpoint.manifest import LATEST_NAME, is_complete, iter_dirs, iteration_of, read_manifest
 from numpitron.checkpoint.sharded import ShardedReader, cut_range
 from numpitron.config import ModelConfig
 from numpitron.distributed.agree import on_every_rank
 from numpitron.errors import UserError
-from numpitron.optim.training_state import FLAT_BUFFERS
 
 
 def latest_checkpoint(root) -> Path | None:
@@ -49,6 +44,17 @@ def load_model_weights(path, model, expected_model_cfg=None) -> dict:
     return on_every_rank(model.topo.world, lambda: _load_weights(Path(path), model, expected_model_cfg))
 
 
+def manifest_model_config(manifest: dict, path) -> ModelConfig:
+    """The model config a checkpoint records, checked field by field and worded as the
+    manifest names them: no flag can fix a checkpoint's field."""
+    saved, known = manifest["model_config"], {field.name for field in fields(ModelConfig)}
+    try:
+        config = ModelConfig(**{k: v for k, v in saved.items() if k in known})
+        return config.validate(label=lambda name: f"model_config.{name}")
+    except UserError as error:
+        raise UserError(f"corrupt checkpoint manifest in {path}: {error}") from None
+
+
 def check_model_config(manifest: dict, model_cfg: ModelConfig) -> None:
     """One UserError listing every field where the checkpoint and the flags disagree."""
     saved = manifest["model_config"]
@@ -63,45 +69,9 @@ def check_model_config(manifest: dict, model_cfg: ModelConfig) -> None:
         raise UserError(f"checkpoint model config differs from the flags: {', '.join(differing)}")
 
 
-class TensorReader:
-    """Verifies every tensor file of the given kinds up front, then serves them.
-
-    Each rank checks all files, not only its own stage's: a corrupt file is then
-    found by every rank alike, and the whole world fails with the same message.
-    """
-
-    def __init__(self, path: Path, manifest: dict, kinds):
-        self.path = path
-        self.arrays = {relpath: verify_tensor_file(path, relpath, entry)
-                       for relpath, entry in manifest["tensors"].items()
-                       if relpath.split("/", 1)[0] in kinds}
-
-    def names(self, kind: str) -> list[str]:
-        prefix, suffix = f"{kind}/", ".npy"
-        return [r[len(prefix):-len(suffix)] for r in self.arrays if r.startswith(prefix) and r.endswith(suffix)]
-
-    def full(self, kind: str, name: str) -> np.ndarray:
-        relpath = tensor_relpath(kind, name)
-        if relpath not in self.arrays:
-            raise UserError(f"corrupt checkpoint {self.path}: the manifest lists no {relpath}")
-        return self.arrays[relpath]
-
-    def getter(self, kind: str, dtype):
-        """get(name) -> the full logical tensor, cast to `dtype`."""
-        def get(name):
-            array = np.asarray(self.full(kind, name), dtype=dtype)
-            if not np.all(np.isfinite(array)):
-                raise UserError(f"corrupt checkpoint {self.path}: {tensor_relpath(kind, name)} holds NaN or infinite values; "
-                                f"refusing to load it")
-            return array
-        return get
-
-
-def open_reader(path: Path, manifest: dict, kinds):
-    """The reader of the checkpoint's format: both serve getter(kind, dtype)."""
-    if manifest["format_version"] >= 2:
-        return ShardedReader(path, manifest)
-    return TensorReader(path, manifest, kinds)
+def open_reader(path: Path, manifest: dict) -> ShardedReader:
+    """The reader of a checkpoint whose manifest `read_manifest` has accepted."""
+    return ShardedReader(path, manifest)
 
 
 def check_same_optimizer(path: Path, manifest: dict, optimizer: str) -> None:
@@ -120,7 +90,7 @@ def _load_training_state(path: Path, trainer) -> dict:
         if not isinstance(manifest[key], int) or manifest[key] < 0:
             raise UserError(f"corrupt checkpoint manifest in {path}: {key} is {manifest[key]!r}")
     check_same_optimizer(path, manifest, trainer.train_cfg.optimizer)
-    reader = open_reader(path, manifest, FLAT_BUFFERS)
+    reader = open_reader(path, manifest)
     model = trainer.model
     # Everything is read into fresh buffers first: a failure leaves the trainer untouched.
     # Each store (the dense parameters, the experts: asked for by global index, whatever
@@ -140,7 +110,7 @@ def _load_weights(path: Path, model, expected_model_cfg) -> dict:
     manifest = read_manifest(path)
     if expected_model_cfg is not None:
         check_model_config(manifest, expected_model_cfg)
-    reader = open_reader(path, manifest, ("params",))
+    reader = open_reader(path, manifest)
     flats = [cut_range(store, 0, store.size, reader.getter("params", store.dtype)) for store in model.stores]
     for store, flat in zip(model.stores, flats):
         store.data[...] = flat

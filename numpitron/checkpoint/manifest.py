@@ -1,14 +1,14 @@
-"""The on-disk format of a checkpoint: its layout, manifest.json and per-file checks.
+"""The on-disk format of a checkpoint: its layout and its manifest.json.
 
     ROOT/latest                      text: the name of the newest checkpoint directory
     ROOT/iter_000123/manifest.json   written last: a directory without it is incomplete
 
-Format 2 (what training writes; sharded.py): ROOT/iter_000123/shards/rank-NNNNN.bin,
-one file per writing rank, and a manifest that maps their bytes to slices of logical
-tensors. Format 1 (what import_npz writes, and older versions did; still read):
-ROOT/iter_000123/params/<name>.npy, adam_m/<name>.npy, adam_v/<name>.npy, one full
-logical tensor each. Either way the manifest records every file's size and CRC-32,
-and a reader checks them before trusting a byte of it.
+Format 2 (sharded.py): ROOT/iter_000123/shards/rank-NNNNN.bin, one file per writing
+rank, and a manifest that maps their bytes to slices of logical tensors and records
+every file's size and CRC-32; a reader checks them before trusting a byte. Format 1
+(one .npy per logical tensor, written by numpitron 0.1's first checkpoints and its
+`convert import`) is no longer read: docs/08-checkpoints-and-sampling.md says how to
+convert one.
 """
 
 import json
@@ -16,9 +16,6 @@ import os
 import re
 from pathlib import Path
 
-import numpy as np
-
-from numpitron.checksum import file_crc32 as file_checksum
 from numpitron.errors import UserError
 
 FORMAT_VERSION = 2
@@ -48,20 +45,22 @@ def iter_dirs(root: Path) -> list[Path]:
     return sorted(found, key=iteration_of)
 
 
+def is_latest_pointer(path: Path) -> bool:
+    """Whether `path` is what this library writes as ROOT/latest: a small regular file
+    holding one iter_ name."""
+    path = Path(path)
+    if path.is_symlink() or not path.is_file() or path.stat().st_size > 64:
+        return False
+    try:
+        return _ITER_DIR.match(path.read_text().strip()) is not None
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def is_complete(path: Path) -> bool:
     # The manifest is the last file written into the temporary directory before the
     # rename, so its presence means every tensor file is already there.
     return (Path(path) / MANIFEST_NAME).is_file()
-
-
-def tensor_relpath(kind: str, name: str) -> str:
-    return f"{kind}/{name}.npy"
-
-
-def describe_tensor_file(path: Path, array: np.ndarray) -> dict:
-    """The manifest entry of a freshly written tensor file."""
-    return {"shape": list(array.shape), "dtype": array.dtype.name,
-            "bytes": Path(path).stat().st_size, "crc32": file_checksum(path)}
 
 
 def write_json_synced(path: Path, obj) -> None:
@@ -93,6 +92,9 @@ def read_manifest(path) -> dict:
     version = manifest["format_version"]
     if not isinstance(version, int) or version < 1:
         raise UserError(f"corrupt checkpoint manifest {manifest_path}: format_version {version!r}")
+    if version < FORMAT_VERSION:
+        raise UserError(f"checkpoint {path} is in format {version} (one .npy per tensor), which this numpitron "
+                        f"no longer reads: convert it as docs/08-checkpoints-and-sampling.md says (older checkpoints)")
     if version > FORMAT_VERSION:
         raise UserError(f"checkpoint format version {version} is newer than this numpitron supports "
                         f"({FORMAT_VERSION}); upgrade numpitron")
@@ -101,47 +103,3 @@ def read_manifest(path) -> dict:
     if not all(isinstance(entry, dict) for entry in manifest["tensors"].values()):
         raise UserError(f"corrupt checkpoint manifest {manifest_path}: every tensor entry must be an object")
     return manifest
-
-
-def verify_tensor_file(directory: Path, relpath: str, entry: dict) -> np.ndarray:
-    """Check one tensor file against its manifest entry and map it read-only.
-
-    Order matters for the messages: existence, size and checksum say whether the
-    bytes are the ones that were written; the header then says whether they could
-    be loaded without pickle and have the promised shape and dtype.
-    """
-    path = Path(directory) / relpath
-    if not path.is_file():
-        raise UserError(f"corrupt checkpoint {directory}: {relpath} is missing")
-    size = path.stat().st_size
-    if size != entry.get("bytes"):
-        raise UserError(f"corrupt checkpoint {directory}: {relpath} has {size} bytes, "
-                        f"the manifest says {entry.get('bytes')} (truncated or overwritten?)")
-    if "crc32" not in entry:
-        raise UserError(f"corrupt checkpoint manifest in {directory}: {relpath} has no checksum")
-    if file_checksum(path) != entry["crc32"]:
-        raise UserError(f"corrupt checkpoint {directory}: {relpath} fails its crc32 checksum")
-    dtype, shape = _npy_header(path, directory, relpath)
-    if dtype.hasobject:
-        raise UserError(f"checkpoint {directory}: {relpath} holds Python objects and would need pickle; "
-                        f"refusing to load")
-    if list(shape) != list(entry.get("shape", [])) or dtype.name != entry.get("dtype"):
-        raise UserError(f"corrupt checkpoint {directory}: {relpath} is {dtype.name}{list(shape)}, "
-                        f"the manifest says {entry.get('dtype')}{entry.get('shape')}")
-    try:
-        return np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError) as error:
-        raise UserError(f"corrupt checkpoint {directory}: cannot load {relpath}: {error}") from None
-
-
-def _npy_header(path: Path, directory: Path, relpath: str):
-    """(dtype, shape) from a .npy header, read without touching the data."""
-    fmt = np.lib.format
-    try:
-        with open(path, "rb") as f:
-            major, _ = fmt.read_magic(f)
-            read_header = fmt.read_array_header_1_0 if major == 1 else fmt.read_array_header_2_0
-            shape, _, dtype = read_header(f)
-    except (OSError, ValueError) as error:
-        raise UserError(f"corrupt checkpoint {directory}: {relpath} is not a .npy file ({error})") from None
-    return np.dtype(dtype), shape

@@ -6,7 +6,7 @@ directory without its manifest, and the next save clears the trash. Nothing is
 deleted that this library cannot show it wrote:
 
 * an iter_ directory only if its manifest reads and every file in it is the manifest,
-  a tensor file the manifest lists, or the owner marker (a user's note dropped inside
+  a shard file the manifest lists, or the owner marker (a user's note dropped inside
   keeps it alive);
 * a temporary directory only if it holds the owner marker, the first file written
   into every checkpoint directory;
@@ -20,7 +20,6 @@ from pathlib import Path
 
 from numpitron.checkpoint.manifest import MANIFEST_NAME, TMP_PREFIX, iter_dirs, read_manifest
 from numpitron.errors import UserError
-from numpitron.optim.training_state import FLAT_BUFFERS
 
 TRASH_PREFIX = ".trash-"
 OWNER_MARKER = ".numpitron-checkpoint"    # first file of every checkpoint directory we write
@@ -34,21 +33,9 @@ def written_by_us(path: Path) -> bool:
         manifest = read_manifest(path)
     except UserError:
         return False
-    files = manifest.get("files") if manifest["format_version"] >= 2 else manifest["tensors"]
-    listed = set(files or {}) | {MANIFEST_NAME, OWNER_MARKER}
+    listed = set(manifest.get("files") or {}) | {MANIFEST_NAME, OWNER_MARKER}
     found = {str(p.relative_to(path)) for p in path.rglob("*") if not p.is_dir()}
     return found <= listed
-
-
-def partial_leftover(path: Path) -> bool:
-    """An iter_ directory without a manifest that holds only tensor files in our layout:
-    what a crash inside an older version's delete left behind."""
-    if (path / MANIFEST_NAME).exists() or not path.is_dir():
-        return False
-    for entry in path.iterdir():
-        if not (entry.is_dir() and entry.name in FLAT_BUFFERS and all(f.suffix == ".npy" for f in entry.iterdir())):
-            return False
-    return True
 
 
 def remove_tree(path: Path) -> bool:

@@ -4,7 +4,8 @@ All ranks write into `ROOT/.tmp-<name>-<pid>` and fsync; world rank 0 writes the
 manifest last, then renames the directory into place: a crash at any moment leaves
 either the previous checkpoint or the new one, never half of one. Leftover
 temporaries are removed by the next save, and old checkpoints pruned (prune.py) only
-when this library can show it wrote them.
+when this library can show it wrote them; a directory or `latest` file of the same
+name that it cannot show it wrote is never replaced.
 """
 
 import os
@@ -14,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from numpitron.checkpoint.manifest import (FORMAT_VERSION, LATEST_NAME, MANIFEST_NAME, TMP_PREFIX,
-                                           describe_tensor_file, iter_dir_name, tensor_relpath, write_json_synced)
-from numpitron.checkpoint.prune import OWNER_MARKER, prune_checkpoints
-from numpitron.checkpoint.sharded import SHARDS, merge_rank_tables, write_rank_shard
+from numpitron.checkpoint.manifest import (FORMAT_VERSION, LATEST_NAME, MANIFEST_NAME, TMP_PREFIX, is_latest_pointer,
+                                           iter_dir_name, write_json_synced)
+from numpitron.checkpoint.prune import OWNER_MARKER, prune_checkpoints, written_by_us
+from numpitron.checkpoint.sharded import SHARDS, merge_rank_tables, write_rank_shard, write_shard
 from numpitron.config import to_dict
 from numpitron.errors import UserError
 
@@ -51,7 +52,7 @@ def save_checkpoint(root, trainer, keep: int = 2, protect: Path | None = None, e
         table = f"cannot write checkpoint to {root} (rank {world.rank}): {error}"
     except Exception as error:       # a bug: the others learn of it instead of hanging
         table = f"checkpoint save failed on rank {world.rank}: {error!r}"
-    tables = world.mpi.gather(table, root=0) if world.size > 1 else [table]
+    tables = world.gather_object(table)
     status = None
     if world.rank == 0:
         status = _finish(root, Path(tmp), trainer, tables, keep, protect, extra)
@@ -79,23 +80,30 @@ def _finish(root: Path, tmp: Path, trainer, tables: list, keep: int, protect, ex
         shutil.rmtree(tmp, ignore_errors=True)
         return ("error", failures[0])
     try:
-        fields = {**checkpoint_fields(trainer), **(extra or {})}
-        manifest = {"format_version": FORMAT_VERSION, **fields, **merge_rank_tables(tables),
-                    "created_unix": time.time()}
-        _fsync_dir(tmp / SHARDS)
-        write_json_synced(tmp / MANIFEST_NAME, manifest)      # last: marks the directory complete
-        _fsync_dir(tmp)
-        final = root / iter_dir_name(trainer.iteration)
-        _install(tmp, final)
-        write_latest(root, final.name)
+        final = _complete(root, tmp, trainer.iteration, {**checkpoint_fields(trainer), **(extra or {})}, tables)
         prune_checkpoints(root, keep, keep_also=(final, protect))
         return ("ok", str(final))
+    except UserError as error:
+        return ("error", str(error))
     except OSError as error:
         shutil.rmtree(tmp, ignore_errors=True)
         return ("error", f"cannot write checkpoint to {root}: {error}")
     except Exception as error:       # a bug: the others learn of it instead of hanging
         shutil.rmtree(tmp, ignore_errors=True)
         return ("error", f"checkpoint save failed on rank 0: {error!r}")
+
+
+def _complete(root: Path, tmp: Path, iteration: int, fields: dict, tables: list) -> Path:
+    """The manifest (written last: it marks the directory complete), the rename into
+    place, then `latest`. Returns the checkpoint's directory."""
+    manifest = {"format_version": FORMAT_VERSION, **fields, **merge_rank_tables(tables), "created_unix": time.time()}
+    _fsync_dir(tmp / SHARDS)
+    write_json_synced(tmp / MANIFEST_NAME, manifest)
+    _fsync_dir(tmp)
+    final = root / iter_dir_name(iteration)
+    _install(tmp, final)
+    write_latest(root, final.name)
+    return final
 
 
 def checkpoint_fields(trainer) -> dict:
@@ -117,46 +125,28 @@ def checkpoint_fields(trainer) -> dict:
     }
 
 
-def write_checkpoint(root: Path, iteration: int, tensors: dict, fields: dict) -> Path:
-    """Format 1: write {kind: {name: full array}}, one .npy each, and the manifest as
-    ROOT/iter_NNNNNN; point ROOT/latest at it. Returns the directory. Needs no MPI:
-    import_npz writes its one-process checkpoints this way (every version reads it)."""
-    root.mkdir(parents=True, exist_ok=True)
-    name = iter_dir_name(iteration)
-    tmp = root / f"{TMP_PREFIX}{name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    (tmp / OWNER_MARKER).touch()            # proves to a later prune that this library made it
+def write_serial_checkpoint(root: Path, iteration: int, fields: dict, sources) -> Path:
+    """One process, no MPI: write `sources` (sharded.write_shard's) as the one shard of
+    checkpoint ROOT/iter_NNNNNN, atomically like save_checkpoint; point ROOT/latest at
+    it. Returns the directory. `convert import` writes its checkpoints this way."""
+    tmp = _fresh_temporary(root, iter_dir_name(iteration))
     try:
-        _write_contents(tmp, tensors, fields)
+        return _complete(root, tmp, iteration, fields, [write_shard(tmp, 0, sources)])
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)      # e.g. a full disk: give the space back now
         raise
-    final = root / name
-    _install(tmp, final)
-    write_latest(root, name)
-    return final
-
-
-def _write_contents(directory: Path, tensors: dict, fields: dict) -> None:
-    table = {}
-    for kind, arrays in tensors.items():
-        (directory / kind).mkdir()
-        for param_name, array in arrays.items():
-            relpath = tensor_relpath(kind, param_name)
-            _write_npy_synced(directory / relpath, array)
-            table[relpath] = describe_tensor_file(directory / relpath, array)
-        _fsync_dir(directory / kind)
-    manifest = {"format_version": 1, **fields, "tensors": table, "created_unix": time.time()}
-    write_json_synced(directory / MANIFEST_NAME, manifest)      # last: marks the directory complete
-    _fsync_dir(directory)
 
 
 def _install(tmp: Path, final: Path) -> None:
     """Rename tmp to final. POSIX cannot rename onto a non-empty directory, so a
-    re-save of the same iteration moves the old one aside first and deletes it after."""
-    if final.exists():
+    re-save of the same iteration moves the old one aside first and deletes it after;
+    a directory of that name this library cannot show it wrote (a user's file inside)
+    is refused instead, and the new checkpoint given up."""
+    if final.exists() or final.is_symlink():
+        if not written_by_us(final):
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise UserError(f"cannot write checkpoint {final}: a directory of that name holds files numpitron "
+                            f"did not write; move it away")
         old = final.parent / f"{TMP_PREFIX}old-{final.name}-{os.getpid()}"
         os.replace(final, old)
         os.replace(tmp, final)
@@ -167,21 +157,18 @@ def _install(tmp: Path, final: Path) -> None:
 
 
 def write_latest(root: Path, name: str) -> None:
-    """ROOT/latest names the newest checkpoint; replaced atomically, never half-written."""
+    """ROOT/latest names the newest checkpoint; replaced atomically, never half-written,
+    and only if it is what this library writes there (a file holding an iter_ name)."""
+    latest = root / LATEST_NAME
+    if (latest.exists() or latest.is_symlink()) and not is_latest_pointer(latest):
+        raise UserError(f"cannot point {latest} at {name}: it is not a file numpitron wrote; move it away")
     tmp = root / f"{TMP_PREFIX}{LATEST_NAME}-{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(name + "\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, root / LATEST_NAME)
+    os.replace(tmp, latest)
     _fsync_dir(root)
-
-
-def _write_npy_synced(path: Path, array: np.ndarray) -> None:
-    with open(path, "wb") as f:
-        np.save(f, np.ascontiguousarray(array), allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:

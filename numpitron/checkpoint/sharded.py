@@ -19,16 +19,17 @@ asks for, checking each one's CRC-32 the first time; the sizes of all files are
 checked up front, so a missing or truncated shard fails on every rank alike.
 """
 
+import math
 import os
 from pathlib import Path
 
 import numpy as np
 
 from numpitron.checksum import file_crc32
-from numpitron.distributed.sharding import shard_bounds
+from numpitron.distributed.sharding import pad_to_multiple, shard_bounds
 from numpitron.errors import UserError
 from numpitron.nn.param import pad_to_full
-from numpitron.optim.training_state import KNOWN_BUFFERS
+from numpitron.optim.training_state import FLAT_BUFFERS, KNOWN_BUFFERS, MUON_BUFFER
 
 SHARDS = "shards"
 
@@ -48,13 +49,21 @@ def write_rank_shard(directory: Path, trainer) -> dict:
     """Write this rank's pieces into directory/shards/ and fsync them. Returns what the
     manifest needs from this rank: its tensors' layout, its file and its pieces. Each
     store (the dense parameters, the experts) with the optimizer that shards it."""
-    topo = trainer.topo
-    relpath, pieces, tensors, offset = shard_relpath(topo.rank), [], {}, 0
+    topo, sources = trainer.topo, []
+    for store, optimizer in zip(trainer.model.stores, trainer.optimizers):
+        lo, hi = optimizer.state.save_range()
+        sources.append((store, written_params(trainer.model, store, topo), lo, optimizer.state.values_in_range(lo, hi)))
+    return write_shard(directory, topo.rank, sources)
+
+
+def write_shard(directory: Path, rank: int, sources) -> dict:
+    """Write one shard file: for each (store, params, lo, {kind: values on [lo, hi) of
+    the store's flat buffer}), the pieces of `params` that fall in [lo, hi)."""
+    relpath, pieces, tensors, offset = shard_relpath(rank), [], {}, 0
     with open(directory / relpath, "wb") as f:
-        for store, optimizer in zip(trainer.model.stores, trainer.optimizers):
-            lo, hi = optimizer.state.save_range()
-            values = optimizer.state.values_in_range(lo, hi)
-            for p in written_params(trainer.model, store, topo):
+        for store, params, lo, values in sources:
+            hi = lo + len(values["params"])
+            for p in params:
                 a, b = store.offsets[p.name]
                 start, stop = max(a, lo), min(b, hi)
                 if start >= stop:
@@ -69,7 +78,7 @@ def write_rank_shard(directory: Path, trainer) -> dict:
                     offset += piece.nbytes
         f.flush()
         os.fsync(f.fileno())
-    files = {relpath: {"bytes": offset, "crc32": file_crc32(directory / relpath), "rank": topo.rank}}
+    files = {relpath: {"bytes": offset, "crc32": file_crc32(directory / relpath), "rank": rank}}
     return {"tensors": tensors, "files": files, "pieces": pieces}
 
 
@@ -119,39 +128,36 @@ class ShardedReader:
                                     else np.zeros(0, np.uint8))
         return self.mapped[relpath]
 
-    def full(self, kind: str, name: str) -> np.ndarray:
-        """The logical tensor `name` of `kind`, rebuilt from the writers' tp shards."""
+    def full(self, kind: str, name: str, shape: tuple | None = None) -> np.ndarray:
+        """The logical tensor `name` of `kind`, rebuilt from the writers' tp shards.
+        `shape`: what the model expects, compared before anything is allocated."""
         meta = self.tensors.get(name)
         pieces = self.pieces.get((kind, name), [])
         if meta is None or not pieces:
             raise UserError(f"corrupt checkpoint {self.path}: it holds no {kind} of {name}")
+        if shape is not None and tuple(meta["shape"]) != tuple(shape):
+            raise UserError(f"checkpoint does not fit this model: {name} has shape {tuple(meta['shape'])}, "
+                            f"expected {tuple(shape)}")
         dtype, full_shape, axis = np.dtype(meta["dtype"]), tuple(meta["full_shape"]), meta["split_axis"]
         full = np.zeros(full_shape, dtype)
-        uncovered = 0
+        # check_tables has proved that the pieces of each tp shard tile it exactly.
         for tp_rank, tp_size in sorted({(p["tp_rank"], p["tp_size"]) for p in pieces}):
             index = [slice(None)] * len(full_shape)
             if axis is not None:
                 index[axis] = slice(*shard_bounds(full_shape[axis], tp_size, tp_rank))
             local = full[tuple(index)].copy()
-            flat, seen = local.reshape(-1), np.zeros(local.size, bool)
+            flat = local.reshape(-1)
             for p in pieces:
                 if (p["tp_rank"], p["tp_size"]) == (tp_rank, tp_size):
-                    if seen[p["start"]:p["stop"]].any():
-                        raise UserError(f"corrupt checkpoint manifest in {self.path}: two pieces of {kind} {name} "
-                                        f"cover the same elements")
-                    seen[p["start"]:p["stop"]] = True
                     raw = self._file(p["file"])[p["offset"]:p["offset"] + (p["stop"] - p["start"]) * dtype.itemsize]
                     flat[p["start"]:p["stop"]] = raw.view(dtype)
-            uncovered += int(np.count_nonzero(~seen))
             full[tuple(index)] = local
-        if uncovered or (axis is not None and len({p["tp_size"] for p in pieces}) != 1):
-            raise UserError(f"corrupt checkpoint {self.path}: the pieces of {kind} {name} leave {uncovered} of "
-                            f"its elements uncovered")
         return full[tuple(slice(0, n) for n in meta["shape"])]
 
     def getter(self, kind: str, dtype):
-        def get(name):
-            array = self.full(kind, name).astype(dtype, copy=False)
+        """get(name, shape) -> the full logical tensor, cast to `dtype`."""
+        def get(name, shape=None):
+            array = self.full(kind, name, shape).astype(dtype, copy=False)
             if not np.all(np.isfinite(array)):
                 raise UserError(f"corrupt checkpoint {self.path}: {kind} {name} holds NaN or infinite values; "
                                 f"refusing to load it")
@@ -168,7 +174,7 @@ def check_tables(path: Path, tensors: dict, files: dict, pieces: list) -> None:
     reading can trust them: float dtypes, shapes, pieces inside their tensor and file."""
     def bad(what: str):
         raise UserError(f"corrupt checkpoint manifest in {path}: {what}")
-    sizes = {}
+    sizes, ranges, tp_sizes = {}, {}, {}
     for name, meta in tensors.items():
         try:
             dtype, shape, full = np.dtype(meta["dtype"]), list(meta["shape"]), list(meta["full_shape"])
@@ -200,22 +206,53 @@ def check_tables(path: Path, tensors: dict, files: dict, pieces: list) -> None:
         if not 0 <= piece["start"] < piece["stop"] <= local or piece["offset"] < 0 \
                 or piece["offset"] + (piece["stop"] - piece["start"]) * itemsize > files[piece["file"]]["bytes"]:
             bad(f"a piece of {piece['name']} lies outside its tensor or its file")
+        shard = tp_rank if split is not None else 0        # a replicated tensor is one shard
+        ranges.setdefault((piece["kind"], piece["name"]), {}).setdefault(shard, []).append(
+            (piece["start"], piece["stop"]))
+        tp_sizes.setdefault((piece["kind"], piece["name"]), set()).add(tp_size)
+    # Every checkpoint holds the FLAT_BUFFERS; one saved with Muon its momentum too.
+    kinds = FLAT_BUFFERS + ((MUON_BUFFER,) if any(kind == MUON_BUFFER for kind, _ in ranges) else ())
+    for name, meta in tensors.items():
+        for kind in kinds:
+            _check_coverage(bad, kind, name, meta, ranges.get((kind, name), {}), tp_sizes.get((kind, name), set()))
+
+
+def _check_coverage(bad, kind: str, name: str, meta: dict, ranges: dict, tp_sizes: set) -> None:
+    """The pieces of `kind` of tensor `name` tile every tp shard of it exactly: each of the
+    tp ranks that wrote it, whichever stage or expert rank holds it, so that a reader on
+    any rank finds a hole as every other rank does, before reading a byte."""
+    shape, full, axis = meta["shape"], meta["full_shape"], meta.get("split_axis")
+    if not ranges:
+        bad(f"it holds no {kind} of {name}")
+    if len(tp_sizes) != 1:
+        bad(f"the pieces of {kind} {name} disagree on the tp size ({sorted(tp_sizes)})")
+    tp = tp_sizes.pop() if axis is not None else 1
+    padded = [pad_to_multiple(n, tp) if i == axis else n for i, n in enumerate(shape)]
+    if full != padded:
+        bad(f"tensor {name} has shape {shape} inside {full}, split over {tp} tp ranks")
+    local = math.prod(full) // tp
+    for shard in range(tp):
+        covered, end = 0, 0
+        for start, stop in sorted(ranges.get(shard, [])):
+            if start < end:
+                bad(f"two pieces of {kind} {name} cover the same elements")
+            covered, end = covered + stop - start, stop
+        if covered != local:
+            where = f" on tp rank {shard} of {tp}" if axis is not None else ""
+            bad(f"the pieces of {kind} {name} leave {local - covered} of its elements uncovered{where}")
 
 
 def cut_range(store, lo: int, hi: int, get_full) -> np.ndarray:
-    """Values on [lo, hi) of a flat buffer laid out like `store` on this rank (zeros at
-    padding), cut out of full tensors: get_full(name) is asked only for the parameters
-    that overlap the range."""
+    """Values on [lo, hi) of this rank's flat buffer `store` (zeros at padding), asking
+    get_full(name, shape) only for the parameters that overlap the range: it returns
+    the logical tensor, or raises a UserError if it has not that shape."""
     flat = np.zeros(hi - lo, store.dtype)
     for p in store.params:
         a, b = store.offsets[p.name]
         start, stop = max(a, lo), min(b, hi)
         if start >= stop:
             continue
-        full = np.asarray(get_full(p.name))
-        if full.shape != p.logical_shape:
-            raise UserError(f"checkpoint does not fit this model: {p.name} has shape {full.shape}, "
-                            f"expected {p.logical_shape}")
+        full = np.asarray(get_full(p.name, p.logical_shape))
         local = pad_to_full(full, p.full_shape)[p.tp_slice()].reshape(-1)
         flat[start - lo:stop - lo] = local[start - a:stop - a]
     return flat

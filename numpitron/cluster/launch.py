@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from numpitron.cluster.control import DEFAULT_PREFIX, require, state_dir

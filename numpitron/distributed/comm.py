@@ -13,13 +13,17 @@ it against the formula for each parallel strategy:
 
 Each call also adds its seconds (for non-blocking calls: the seconds spent waiting).
 On a communicator of size 1 every collective is a no-op that counts nothing, so a
-single process runs the same code as a mesh.
+single process runs the same code as a mesh. Every call that can block tells the
+`Watchdog` (watchdog.py) which collective it waits in, so a rank that stops answering
+ends the job instead of hanging it.
 """
 
 import time
 from collections import defaultdict
 
 import numpy as np
+
+from numpitron.distributed.watchdog import Watchdog
 
 
 class CommStats:
@@ -64,10 +68,11 @@ class Pending:
 class Comm:
     """One communicator (tp, dp, pp, ...) with the collectives the library uses."""
 
-    def __init__(self, mpi_comm, stats: CommStats, name: str):
+    def __init__(self, mpi_comm, stats: CommStats, name: str, watchdog: Watchdog | None = None):
         self.mpi = mpi_comm
         self.stats = stats
         self.name = name
+        self.watchdog = watchdog or Watchdog()
         self.rank = 0 if mpi_comm is None else mpi_comm.Get_rank()
         self.size = 1 if mpi_comm is None else mpi_comm.Get_size()
 
@@ -76,8 +81,16 @@ class Comm:
 
     def _timed(self, collective: str, nbytes: float, call) -> None:
         start = time.perf_counter()
-        call()
+        self._watched(f"{self.name}.{collective}", call)
         self.stats.add(f"{self.name}.{collective}", nbytes, time.perf_counter() - start)
+
+    def _watched(self, collective: str, call):
+        """call(), under the watchdog's deadline."""
+        self.watchdog.enter(collective)
+        try:
+            return call()
+        finally:
+            self.watchdog.leave()
 
     def all_reduce(self, buf: np.ndarray, op: str = "sum") -> np.ndarray:
         """In-place reduction of `buf` over the group (op: sum or max)."""
@@ -99,7 +112,7 @@ class Comm:
     def wait(self, pending: Pending) -> None:
         if not pending.done:
             start = time.perf_counter()
-            pending.request.Wait()
+            self._watched(pending.collective, pending.request.Wait)
             pending.done = True
             self.stats.seconds[pending.collective] += time.perf_counter() - start
 
@@ -185,7 +198,7 @@ class Comm:
 
     def all_to_all(self, send: np.ndarray) -> np.ndarray:
         """Equal blocks: send[r] goes to rank r; returns recv, recv[r] from rank r."""
-        recv = send.copy()
+        recv = np.empty_like(send) if self.size > 1 else send.copy()
         if self.size > 1:
             self._timed("all_to_all", (self.size - 1) / self.size * send.nbytes,
                         lambda: self.mpi.Alltoall(send, recv))
@@ -215,14 +228,20 @@ class Comm:
 
     def broadcast_object(self, obj, root: int = 0):
         """Small control data only (a config, an error message): never in a hot path."""
-        return obj if self.size == 1 else self.mpi.bcast(obj, root=root)
+        return obj if self.size == 1 else self._watched(f"{self.name}.broadcast_object",
+                                                          lambda: self.mpi.bcast(obj, root=root))
+
+    def gather_object(self, obj, root: int = 0) -> list | None:
+        """Small control data from every rank, a list on `root` (None elsewhere)."""
+        return [obj] if self.size == 1 else self._watched(f"{self.name}.gather_object",
+                                                          lambda: self.mpi.gather(obj, root=root))
 
     def all_reduce_object_max(self, value: int) -> int:
         """Control flow agreement (e.g. "did any rank fail?"): never in a hot path."""
         if self.size == 1:
             return value
         from mpi4py import MPI
-        return self.mpi.allreduce(value, op=MPI.MAX)
+        return self._watched(f"{self.name}.all_reduce_object_max", lambda: self.mpi.allreduce(value, op=MPI.MAX))
 
     def send(self, buf: np.ndarray, dest: int, tag: int = 0) -> None:
         self._timed("send", buf.nbytes, lambda: self.mpi.Send(buf, dest=dest, tag=tag))
@@ -260,4 +279,4 @@ class Comm:
 
     def barrier(self) -> None:
         if self.size > 1:
-            self.mpi.Barrier()
+            self._watched(f"{self.name}.barrier", self.mpi.Barrier)

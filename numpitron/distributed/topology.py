@@ -10,15 +10,22 @@ Expert parallelism adds no axis: the ep group is carved out of dp (Megatron-LM's
 choice). Consecutive dp ranks form an ep group and split the experts among them;
 ranks with the same position in their ep group (dp_rank % ep) hold the same experts
 and average their gradients (the expert_dp group, dp / ep ranks).
+
+Context parallelism may split its group once more (distributed/ulysses.py): U consecutive
+cp ranks form a Ulysses group (cp_ulysses, an all-to-all over heads), and ranks with
+the same place in their Ulysses groups form a ring (cp_ring, cp / U ranks). The ring
+alone is U = 1, Ulysses alone U = cp; both groups exist on every mesh.
 """
 
 import socket
 from typing import NamedTuple
 
 from numpitron.distributed.comm import Comm, CommStats
+from numpitron.distributed.watchdog import Watchdog
 from numpitron.errors import UserError
 
-GROUPS = ("tp", "cp", "dp", "dp_cp", "pp", "model", "embedding", "ep", "expert_dp", "expert_model")
+GROUPS = ("tp", "cp", "cp_ulysses", "cp_ring", "dp", "dp_cp", "pp", "model", "embedding", "ep", "expert_dp",
+          "expert_model")
 
 
 class Mesh(NamedTuple):
@@ -63,12 +70,17 @@ class Topology:
     embedding (first and last stage: the tied embedding). Experts: ep (ep consecutive dp
     ranks, which split the experts and exchange tokens), expert_dp (the dp ranks holding
     the same experts), expert_model (tp x pp x ep: one whole copy of every expert, for
-    the gradient norm).
+    the gradient norm). Inside cp: cp_ulysses (U consecutive cp ranks) and cp_ring (the
+    cp / U ranks at the same place of their Ulysses groups); both count their bytes
+    under "cp".
     """
 
-    def __init__(self, world, tp: int, pp: int, dp: int, stats: CommStats | None = None, cp: int = 1, ep: int = 1):
+    def __init__(self, world, tp: int, pp: int, dp: int, stats: CommStats | None = None, cp: int = 1, ep: int = 1,
+                 watchdog: Watchdog | None = None, ulysses: int = 1):
         self.stats = stats or CommStats()
+        self.watchdog = watchdog or Watchdog()          # one deadline for every group's collectives
         self.tp, self.pp, self.dp, self.cp, self.ep = tp, pp, dp, cp, ep
+        self.ulysses = ulysses           # cp ranks per Ulysses all-to-all group (must divide cp)
         self.world_size = tp * pp * dp * cp
         self.rank = 0 if world is None else world.Get_rank()
         self.pp_rank, rest = divmod(self.rank, dp * cp * tp)
@@ -85,6 +97,8 @@ class Topology:
                 setattr(self, f"{name}_comm", Comm(None, self.stats, name))
         else:
             self._split(world)
+        for comm in [self.world] + [getattr(self, f"{name}_comm") for name in GROUPS]:
+            comm.watchdog = self.watchdog
 
     @property
     def dp_cp(self) -> int:
@@ -96,9 +110,13 @@ class Topology:
         # A color names the coordinates the group's members share.
         from mpi4py import MPI
         pp_rank, dp_rank, cp_rank, tp_rank = self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank
-        dp, cp, tp = self.dp, self.cp, self.tp
+        dp, cp, tp, ulysses = self.dp, self.cp, self.tp, self.ulysses
         self.tp_comm = Comm(world.Split((pp_rank * dp + dp_rank) * cp + cp_rank, tp_rank), self.stats, "tp")
-        self.cp_comm = Comm(world.Split((pp_rank * dp + dp_rank) * tp + tp_rank, cp_rank), self.stats, "cp")
+        cp_group = (pp_rank * dp + dp_rank) * tp + tp_rank             # which cp group this rank is in
+        self.cp_comm = Comm(world.Split(cp_group, cp_rank), self.stats, "cp")
+        ulysses_group, place = divmod(cp_rank, ulysses)               # its Ulysses group, its place in it
+        self.cp_ulysses_comm = Comm(world.Split(cp_group * (cp // ulysses) + ulysses_group, place), self.stats, "cp")
+        self.cp_ring_comm = Comm(world.Split(cp_group * ulysses + place, ulysses_group), self.stats, "cp")
         self.dp_comm = Comm(world.Split((pp_rank * cp + cp_rank) * tp + tp_rank, dp_rank), self.stats, "dp")
         self.dp_cp_comm = Comm(world.Split(pp_rank * tp + tp_rank, self.dp_cp_rank), self.stats, "dp_cp")
         self.pp_comm = Comm(world.Split((dp_rank * cp + cp_rank) * tp + tp_rank, pp_rank), self.stats, "pp")
@@ -121,14 +139,19 @@ class Topology:
 
     @classmethod
     def from_world(cls, tensor: int = 1, pipeline: int = 1, data: int | None = None, world=None,
-                   context: int = 1, expert: int = 1) -> "Topology":
+                   context: int = 1, expert: int = 1, ulysses: int = 1) -> "Topology":
         from mpi4py import MPI
         world = world or MPI.COMM_WORLD
-        return cls.from_mesh(world, resolve_mesh(world.Get_size(), tensor, pipeline, data, context, expert))
+        return cls.from_mesh(world, resolve_mesh(world.Get_size(), tensor, pipeline, data, context, expert),
+                             ulysses=ulysses)
 
     @classmethod
-    def from_mesh(cls, world, mesh: Mesh) -> "Topology":
-        return cls(world, mesh.tp, mesh.pp, mesh.dp, cp=mesh.cp, ep=mesh.ep)
+    def from_mesh(cls, world, mesh: Mesh, collective_timeout: float | None = None, ulysses: int = 1) -> "Topology":
+        """collective_timeout: seconds a rank may wait in one collective before it ends
+        the job (None: forever); ulysses: the Ulysses group size inside cp
+        (ParallelConfig.ulysses_group)."""
+        return cls(world, mesh.tp, mesh.pp, mesh.dp, cp=mesh.cp, ep=mesh.ep,
+                   watchdog=Watchdog(collective_timeout, world.Get_rank()), ulysses=ulysses)
 
     @property
     def mesh(self) -> Mesh:
@@ -162,6 +185,8 @@ class Topology:
     def __str__(self) -> str:
         experts = f" (experts split over ep={self.ep} of the dp ranks)" if self.ep > 1 else ""
         lines = [f"mesh: tp={self.tp} x cp={self.cp} x dp={self.dp} x pp={self.pp} ({self.world_size} ranks){experts}"]
+        if self.ulysses > 1:
+            lines[0] += f" (cp: all-to-all in groups of {self.ulysses}, ring over {self.cp // self.ulysses})"
         for s in range(self.pp):
             replicas = ["[" + " | ".join(" ".join(str(self.world_rank_of(s, d, t, c)) for t in range(self.tp))
                                          for c in range(self.cp)) + "]" for d in range(self.dp)]

@@ -14,6 +14,12 @@ The backward sends the blocks around again, with their gradients travelling besi
 them, home to their owners after the last step. With cp = 1 the ring is one step
 over the rank's own block.
 
+Ulysses (distributed/ulysses.py) splits the cp group once more: inside groups of U
+ranks an all-to-all gives every rank all the group's tokens of H/(tp U) heads before
+attention, and another turns the output back; the ring then runs over the cp/U
+groups. The ring alone is U = 1 (both exchanges return their input), Ulysses alone
+U = cp (a ring of one).
+
 Generation runs the same forward with a key/value cache (`kv`): the new positions
 attend to every cached one, as one more block.
 """
@@ -28,6 +34,7 @@ from numpitron.nn.blockwise_attention import AttentionState, attend_block, atten
 from numpitron.nn.functional import row_sums
 from numpitron.nn.layer import Layer
 from numpitron.nn.linear import ColumnParallelLinear, RowParallelLinear
+from numpitron.distributed.ulysses import HeadExchange
 
 KV_TAG, GRAD_TAG = 10, 20
 
@@ -38,8 +45,9 @@ class ParallelAttention(Layer):
         self.local_heads = shard_size(n_heads, topo.tp)
         self.head_dim = d_model // n_heads
         self.scale = 1.0 / math.sqrt(self.head_dim)   # a Python float keeps float32 passes float32
-        self.cp, self.cp_rank = topo.cp_comm, topo.cp_comm.rank
-        self.chunks = zigzag_chunks          # which positions each cp rank holds
+        self.heads = HeadExchange(topo.cp_ulysses_comm, topo.cp, topo.cp_rank)
+        self.ring, self.ring_rank = topo.cp_ring_comm, topo.cp_ring_comm.rank
+        self.chunks = zigzag_chunks          # which positions each ring rank holds
         # False: selective recomputation (Korthikanti et al. 2022, §5): the softmax
         # probabilities are not kept but recomputed, block by block, in the backward.
         self.keep_probs = keep_probs
@@ -50,79 +58,83 @@ class ParallelAttention(Layer):
         return self.qkv.parameters() + self.proj.parameters()
 
     def _split_heads(self, qkv):
-        # (B, T, 3 * H/tp * hd) -> q, k, v each (B, H/tp, T, hd), one contiguous copy
+        # (B, T, 3 * H/tp * hd) -> q|k|v (3, B, H/tp, T, hd), one contiguous copy
         B, T, _ = qkv.shape
         qkv = qkv.reshape(B, T, 3, self.local_heads, self.head_dim)
-        q, k, v = np.ascontiguousarray(qkv.transpose(2, 0, 3, 1, 4))
-        return q, k, v
+        return np.ascontiguousarray(qkv.transpose(2, 0, 3, 1, 4))
 
     def forward(self, x, kv=None):
         # x: (B, T/cp, C) (/tp more with sequence parallelism) -> y: the same shape;
         # kv: this layer's KVCache slot while generating
         qkv, qkv_cache = self.qkv.forward(x)
-        B, T, _ = qkv.shape                              # the whole (local) sequence
-        q, k, v = self._split_heads(qkv)
+        B, t, _ = qkv.shape                              # this rank's tokens
+        # Ulysses: every token of the group, H/(tp U) heads each
+        q, k, v = self.heads.to_heads(self._split_heads(qkv))
+        T = q.shape[2]                                   # the tokens attention sees
         q *= self.scale                                  # cheaper on (T, hd) than on (T, T)
         state = AttentionState(q)
         if kv is not None:                               # the new positions, after the cached ones
             keys, values, start = kv.append(k, v)
-            saved = [attend_block(q, query_tiles([Chunk(0, T, start)]), keys, values, [Chunk(0, start + T, 0)], state)]
+            groups = [attend_block(q, query_tiles([Chunk(0, T, start)]), keys, values, [Chunk(0, start + T, 0)], state)]
         else:
-            saved = self._ring_forward(q, k, v, state)
-        merged = state.out.transpose(0, 2, 1, 3).reshape(B, T, -1)
+            groups = self._ring_forward(q, k, v, state)
+        out = self.heads.to_tokens(state.out)            # back to this rank's tokens, H/tp heads
+        merged = out.transpose(0, 2, 1, 3).reshape(B, t, -1)
         state.out = None             # the output projection keeps the merged copy
         if not self.keep_probs:
-            saved = [[(qc, end, None, lse) for qc, end, _, lse in step] for step in saved]
+            groups = [[group._replace(probs=None) for group in step] for step in groups]
         y, proj_cache = self.proj.forward(merged)
-        return y, {"qkv": qkv_cache, "q": q, "k": k, "v": v, "state": state, "saved": saved, "proj": proj_cache}
+        return y, {"qkv": qkv_cache, "q": q, "k": k, "v": v, "state": state, "groups": groups, "proj": proj_cache}
 
     def _ring_forward(self, q, k, v, state):
-        T, cp = q.shape[2], self.cp.size
-        mine = query_tiles(self.chunks(T, cp, self.cp_rank))
-        saved, block = [], [k, v]
+        """The softmax groups of every ring step, one list per step."""
+        T, cp = q.shape[2], self.ring.size
+        mine = query_tiles(self.chunks(T, cp, self.ring_rank))
+        groups, block = [], [k, v]
         for step in range(cp):
-            owner = (self.cp_rank - step) % cp
+            owner = (self.ring_rank - step) % cp
             if step + 1 < cp:                            # pass this block on while using it
-                incoming, pending = self.cp.ring_pass(block, KV_TAG)
-            saved.append(attend_block(q, mine, *block, self.chunks(T, cp, owner), state))
+                incoming, pending = self.ring.ring_pass(block, KV_TAG)
+            groups.append(attend_block(q, mine, *block, self.chunks(T, cp, owner), state))
             if step + 1 < cp:
-                self.cp.wait_all(pending)
+                self.ring.wait_all(pending)
                 block = incoming
-        return saved
+        return groups
 
-    def backward_input(self, dy, cache):
+    def start_backward_input(self, dy, cache):
         q, k, v, state = cache["q"], cache["k"], cache["v"], cache["state"]
-        B, _, T, _ = q.shape
         dmerged = self.proj.backward_input(dy, cache["proj"])
-        heads = (B, T, self.local_heads, self.head_dim)
-        # D = rowsum(dO * O), from the merged output the projection kept: (B, H/tp, T, 1)
+        B, t, _ = dmerged.shape                          # this rank's tokens
+        heads = (B, t, self.local_heads, self.head_dim)
+        # D = rowsum(dO * O), from the merged output the projection kept: (B, H/tp, t, 1)
         d_rowsum = row_sums((dmerged * cache["proj"]["x"]).reshape(-1, self.head_dim))
         d_rowsum = d_rowsum.reshape(heads[:3]).transpose(0, 2, 1)[..., None]
         dout = np.ascontiguousarray(dmerged.reshape(heads).transpose(0, 2, 1, 3))
-        dqkv = np.empty((3, B, self.local_heads, T, self.head_dim), dy.dtype)
+        dout, d_rowsum = self.heads.to_heads(dout), self.heads.to_heads(d_rowsum)    # as q was
+        dqkv = np.zeros((3,) + q.shape, dy.dtype)        # every group adds into it
         dq, dk, dv = dqkv
-        block, grads, dq_written = [k, v], [dk, dv], set()
-        for step, saved in enumerate(cache["saved"]):
-            if step + 1 < len(cache["saved"]):
-                incoming, pending = self.cp.ring_pass(block, KV_TAG)
+        T, cp = q.shape[2], self.ring.size
+        block, grads, steps = [k, v], [dk, dv], len(cache["groups"])
+        for step, groups in enumerate(cache["groups"]):
+            if step + 1 < steps:
+                incoming, pending = self.ring.ring_pass(block, KV_TAG)
             if not self.keep_probs:                      # recompute this block's probabilities
-                owner = (self.cp_rank - step) % self.cp.size
-                saved = attend_block(q, query_tiles(self.chunks(T, self.cp.size, self.cp_rank)), *block,
-                                     self.chunks(T, self.cp.size, owner), AttentionState(q))
-            attend_block_backward(saved, q, *block, dout, d_rowsum, state, dq, *grads, dq_written,
-                                  block_grads_fresh=step == 0)
+                owner = (self.ring_rank - step) % cp
+                groups = attend_block(q, query_tiles(self.chunks(T, cp, self.ring_rank)), *block,
+                                      self.chunks(T, cp, owner), AttentionState(q))
+            attend_block_backward(groups, q, *block, dout, d_rowsum, state, dq, *grads)
             # The block's gradients travel with it; after the last step, home to its owner.
-            grads, grad_pending = self.cp.ring_pass(grads, GRAD_TAG)
-            self.cp.wait_all(grad_pending)
-            if step + 1 < len(cache["saved"]):
-                self.cp.wait_all(pending)
+            grads, grad_pending = self.ring.ring_pass(grads, GRAD_TAG)
+            self.ring.wait_all(grad_pending)
+            if step + 1 < steps:
+                self.ring.wait_all(pending)
                 block = incoming
         for own, arrived in zip((dk, dv), grads):
             if arrived is not own:                       # came home around the ring
                 own[...] = arrived
         dq *= self.scale                                 # q held the scale; dk already has it
-        dqkv = dqkv.transpose(1, 3, 0, 2, 4).reshape(B, T, -1)
-        return self.qkv.backward_input(dqkv, cache["qkv"])
+        dqkv = self.heads.to_tokens(dqkv).transpose(1, 3, 0, 2, 4).reshape(B, t, -1)
+        return self.qkv.start_backward_input(dqkv, cache["qkv"])    # its sum may overlap our weight half
 
     def backward_weights(self, cache):
         self.proj.backward_weights(cache["proj"])

@@ -37,17 +37,26 @@ class Block(Layer):
         return x, {"ln1": ln1_cache, "attn": attn_cache, "ln2": ln2_cache, "mlp": mlp_cache}
 
     def backward_input(self, dx, cache):
-        # The residual's gradient is added into the LayerNorm's fresh output, never into
-        # dx itself: the inner layers keep the gradient they were given for their
-        # weight half.
-        dh = self.mlp.backward_input(dx, cache["mlp"])
-        dln = self.ln2.backward_input(dh, cache["ln2"])
-        dln += dx
-        dh = self.attn.backward_input(dln, cache["attn"])
-        dx = self.ln1.backward_input(dh, cache["ln1"])
-        dx += dln
-        return dx
+        return self._backward(dx, cache, "backward_input")
 
     def backward_weights(self, cache):
         for name in ("mlp", "ln2", "attn", "ln1"):
             getattr(self, name).backward_weights(cache[name])
+
+    def backward(self, dx, cache):
+        """Both halves, sub-layer by sub-layer: the MLP's and the attention's
+        input-gradient sums over tp hide behind their own weight gradients (nn/layer.py)."""
+        return self._backward(dx, cache, "backward")
+
+    def _backward(self, dx, cache, half: str):
+        # half: each sub-layer's "backward_input", or its whole "backward".
+        # The residual's gradient is added into the LayerNorm's fresh output, never into
+        # dx itself: the inner layers keep the gradient they were given for their
+        # weight half.
+        dh = getattr(self.mlp, half)(dx, cache["mlp"])
+        dln = getattr(self.ln2, half)(dh, cache["ln2"])
+        dln += dx
+        dh = getattr(self.attn, half)(dln, cache["attn"])
+        dx = getattr(self.ln1, half)(dh, cache["ln1"])
+        dx += dln
+        return dx

@@ -19,7 +19,13 @@ The backward needs, per group, its probabilities P_g (kept) rescaled to the fina
 normaliser, P = P_g exp(L_g - L), and D = rowsum(dO * O) (flash attention, Alg. 2):
 
     dV += P^T dO,   dS = P * (dO V^T - D),   dQ += dS K,   dK += dS^T Q
+
+Every group adds into zeroed buffers, whatever order the groups and blocks come in.
+The whole computation at once, with no tiles or blocks, is
+numpitron.reference.causal_attention (and _backward); the tests hold these kernels to it.
 """
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,7 +34,7 @@ from numpitron.nn.functional import softmax_lastdim_with_lse_
 
 _MASKS = {}
 # Query rows per tile. Smaller tiles skip more of the masked triangle but make the
-# batched matmuls smaller; at T = 256, d_head 64, 64 rows is the faster of 32, 64, 128.
+# batched matmuls smaller, and BLAS pays per matrix (chapter 15 gives the sizes tried).
 QUERY_TILE = 64
 
 
@@ -74,21 +80,31 @@ class AttentionState:
         self.groups = {}
 
 
-def attend_block(q, q_chunks, k, v, k_chunks, state: AttentionState) -> list:
+class SoftmaxGroup(NamedTuple):
+    """What the backward needs of one softmax group: a query tile and the keys it saw."""
+    queries: Chunk          # the tile's rows of q
+    key_end: int            # it saw the block's key rows [0, key_end)
+    probs: np.ndarray | None    # P_g (B, H, tq, key_end), normalised by the group's own L_g;
+    #                             None under selective recomputation (nn/attention.py)
+    lse: np.ndarray         # L_g (B, H, tq, 1)
+
+
+def attend_block(q, q_chunks, k, v, k_chunks, state: AttentionState) -> list[SoftmaxGroup]:
     """Fold the attention of q's chunks to the visible chunks of (k, v) into `state`.
-    q holds the 1/sqrt(hd) scale already. Returns what the backward needs."""
-    saved = []
+    q holds the 1/sqrt(hd) scale already. Returns the block's softmax groups, for the
+    backward."""
+    groups = []
     for qc in q_chunks:
         visible = visible_keys(qc, k_chunks)
         if not visible:
             continue
         end = visible[-1].stop                      # the visible chunks are rows [0, end)
         rows = slice(qc.start, qc.stop)
-        probs = q[:, :, rows] @ k[:, :, :end].transpose(0, 1, 3, 2)     # (B, H, tq, tk)
+        probs = q[:, :, rows] @ k[:, :, :end].transpose(0, 1, 3, 2)     # scores S = q k^T, (B, H, tq, tk)
         mask = _mask(qc, visible, q.dtype)
         if mask is not None:
             probs += mask
-        lse = softmax_lastdim_with_lse_(probs)
+        lse = softmax_lastdim_with_lse_(probs)      # now P_g = softmax(S), in place
         seen = state.groups.get(qc, 0)
         if seen == 0:                               # the first group of these queries: write in place
             np.matmul(probs, v[:, :, :end], out=state.out[:, :, rows])
@@ -101,35 +117,23 @@ def attend_block(q, q_chunks, k, v, k_chunks, state: AttentionState) -> list:
             state.out[:, :, rows] += out * np.exp(lse - new)
             state.lse[:, :, rows] = new
         state.groups[qc] = seen + 1
-        saved.append((qc, end, probs, lse))
-    return saved
+        groups.append(SoftmaxGroup(qc, end, probs, lse))
+    return groups
 
 
-def _matmul_into(dst, a, b, overwrite: bool) -> None:
-    """dst = a @ b (straight into dst, no temporary) or dst += a @ b."""
-    if overwrite:
-        np.matmul(a, b, out=dst)
-    else:
-        dst += a @ b
-
-
-def attend_block_backward(saved, q, k, v, dout, d_rowsum, state: AttentionState, dq, dk, dv,
-                          dq_written: set, block_grads_fresh: bool) -> None:
-    """Accumulate one block's contribution to dq (unscaled: the caller applies the
-    scale), and to this block's dk and dv. The first write into a buffer that holds
-    nothing yet skips the add (dq_written: query chunks already written; the block's
-    gradients are fresh on the first ring step). Groups covering more keys go first,
-    so that first write covers every row any later group adds to."""
-    for qc, end, probs, lse in sorted(saved, key=lambda group: -group[1]):
-        rows = slice(qc.start, qc.stop)
-        if state.groups[qc] > 1:                    # the group's own normaliser was not the final one
-            probs = probs * np.exp(lse - state.lse[:, :, rows])
+def attend_block_backward(groups: list[SoftmaxGroup], q, k, v, dout, d_rowsum, state: AttentionState,
+                          dq, dk, dv) -> None:
+    """Add one block's contribution to dq (unscaled: the caller applies the scale) and
+    to this block's dk and dv. Every buffer accumulates: the caller zeroes them first."""
+    for group in groups:
+        rows, end = slice(group.queries.start, group.queries.stop), group.key_end
+        probs = group.probs
+        if state.groups[group.queries] > 1:         # the group's own normaliser was not the final one
+            probs = probs * np.exp(group.lse - state.lse[:, :, rows])
         do = dout[:, :, rows]
-        _matmul_into(dv[:, :, :end], probs.transpose(0, 1, 3, 2), do, block_grads_fresh)
+        dv[:, :, :end] += probs.transpose(0, 1, 3, 2) @ do
         ds = do @ v[:, :, :end].transpose(0, 1, 3, 2)
         ds -= d_rowsum[:, :, rows]
         ds *= probs
-        _matmul_into(dq[:, :, rows], ds, k[:, :, :end], qc not in dq_written)
-        _matmul_into(dk[:, :, :end], ds.transpose(0, 1, 3, 2), q[:, :, rows], block_grads_fresh)
-        dq_written.add(qc)
-        block_grads_fresh = False
+        dq[:, :, rows] += ds @ k[:, :, :end]
+        dk[:, :, :end] += ds.transpose(0, 1, 3, 2) @ q[:, :, rows]

@@ -20,10 +20,11 @@ class TiedLMHead(Layer):
         logits = rows(full) @ self.embedding.weight.data.T
         return logits.reshape(*full.shape[:-1], -1), {"h": h}
 
-    def backward_input(self, dlogits, cache):
+    def start_backward_input(self, dlogits, cache):
         cache["dy"] = dlogits
         dh = rows(dlogits) @ self.embedding.weight.data   # this vocabulary slice's share of dL/dh
-        return self.region.input_grad(dh.reshape(dlogits.shape[:-1] + (-1,)))   # "f": sum the shares over tp
+        # "f": sum the shares over tp, perhaps while backward_weights runs
+        return self.region.start_input_grad(dh.reshape(dlogits.shape[:-1] + (-1,)))
 
     def backward_weights(self, cache):
         self.embedding.weight.grad += rows(cache["dy"]).T @ rows(self.region.gather(cache["h"]))
@@ -53,10 +54,19 @@ class LanguageModelHead(Layer):
         return loss, cache
 
     def backward_input(self, dloss, cache):
-        dlogits = self.loss.backward_input(dloss, cache["loss"])
-        dh = self.head.backward_input(dlogits, cache["head"])
-        return self.ln_f.backward_input(dh, cache["ln_f"])
+        return self._backward(dloss, cache, "backward_input")
 
     def backward_weights(self, cache):
         self.head.backward_weights(cache["head"])
         self.ln_f.backward_weights(cache["ln_f"])
+
+    def backward(self, dloss, cache):
+        """Both halves, layer by layer: the head's input-gradient sum hides behind its
+        weight gradient (nn/layer.py)."""
+        return self._backward(dloss, cache, "backward")
+
+    def _backward(self, dloss, cache, half: str):
+        # half: each layer's "backward_input", or its whole "backward"
+        dlogits = self.loss.backward_input(dloss, cache["loss"])      # the loss has no weights
+        dh = getattr(self.head, half)(dlogits, cache["head"])
+        return getattr(self.ln_f, half)(dh, cache["ln_f"])

@@ -18,8 +18,8 @@ PASSES = {
     #                              normalise / dS -= D, dS *= P
     "merge": 3,                  # blockwise_attention.py, over a later group's output: rescale the running
     #                              output and the new one, add
-    "heads": (5, 8),             # attention.py, over n x C/tp: split q|k|v, scale q, merge / D = rowsum(dO O)
-    #                              (2), dO copy, dq scale, dq|dk|dv copy (3)
+    "heads": (5, 11),            # attention.py, over n x C/tp: split q|k|v, scale q, merge / D = rowsum(dO O)
+    #                              (2), dO copy, zero dq|dk|dv (3), dq scale, dq|dk|dv copy (3)
     "embedding": 3,              # embedding.py, over n x C: gather token rows, mask the rows others own,
     #                              add the positions
     "one_hot": 2,                # embedding.py, over n x V/tp: the one-hot matrix of the token gradient

@@ -5,6 +5,8 @@
     layer.backward_input(dy, cache)     -> dx        gradient w.r.t. the input
     layer.backward_weights(cache)                    accumulate (+=) into Param.grad
     layer.backward(dy, cache)           -> dx        both halves, in that order
+    layer.start_backward_input(dy, cache) -> InFlight  the input half, its last collective
+                                                     perhaps still running (`.wait()` -> dx)
 
 Activations carry their shape: x and y are (B, T, C) arrays (token ids are (B, T)),
 so no layer needs B or T passed beside them. The only context a layer may take is
@@ -16,9 +18,30 @@ The backward is split in two halves because the input gradient is on a pipeline'
 critical path and the weight gradient is not (zero-bubble schedules defer it).
 `backward_input` leaves in the cache what `backward_weights` needs (the gradient
 that arrived at each inner linear layer), so the halves may run far apart.
+
+Run together (`backward`), the halves let a tensor-parallel layer hide communication
+(Megatron-Core's tp_comm_overlap): a column-parallel layer's input gradient must be
+summed over tp, and nothing in its own weight gradient needs that sum. So
+`start_backward_input` starts the collective and returns at once, the weight half
+computes meanwhile, and `wait` finishes it. A layer defines `backward_input` or
+`start_backward_input`; the other follows.
 """
 
 import numpy as np
+
+
+class InFlight:
+    """An input gradient whose collective may still be running: `wait` finishes it
+    (counting the seconds spent waiting) and returns the array."""
+
+    def __init__(self, value, comm=None, pending=None):
+        self.value, self.comm, self.pending = value, comm, pending
+
+    def wait(self):
+        if self.pending is not None:
+            self.comm.wait(self.pending)
+            self.pending = None
+        return self.value
 
 
 class Layer:
@@ -29,21 +52,27 @@ class Layer:
         raise NotImplementedError
 
     def backward_input(self, dy, cache):
-        raise NotImplementedError
+        return self.start_backward_input(dy, cache).wait()
+
+    def start_backward_input(self, dy, cache) -> InFlight:
+        if type(self).backward_input is Layer.backward_input:
+            raise NotImplementedError(f"{type(self).__name__} defines neither half of its input gradient")
+        return InFlight(self.backward_input(dy, cache))
 
     def backward_weights(self, cache) -> None:
         """Nothing to do for a layer without parameters."""
 
     def backward(self, dy, cache):
-        dx = self.backward_input(dy, cache)
-        self.backward_weights(cache)
-        return dx
+        dx = self.start_backward_input(dy, cache)
+        self.backward_weights(cache)     # while the input gradient's collective runs
+        return dx.wait()
 
 
 def splits_backward(layer) -> bool:
     """Whether a layer has the two halves of its backward, not only a whole `backward`
     (a zero-bubble schedule runs them apart; pipeline.check_backward_splits asks)."""
-    return type(layer).backward_input is not Layer.backward_input
+    return (type(layer).backward_input is not Layer.backward_input
+            or type(layer).start_backward_input is not Layer.start_backward_input)
 
 
 def rows(x: np.ndarray) -> np.ndarray:

@@ -22,37 +22,39 @@ class LayerNorm(Layer):
         return [self.weight, self.bias]
 
     def forward(self, x):
-        # x: (B, T, C), normalised over C
+        """y = (x - mean) / sqrt(var + eps) * weight + bias over the C channels of each
+        row (reference: numpitron.reference.layernorm). Keeps xhat and 1 / sqrt(var + eps)."""
+        # x: (B, T, C)
         inv_c = 1.0 / x.shape[-1]
         mean = row_sums(rows(x))[:, None]           # row means as matrix-vector products (BLAS)
         mean *= inv_c
-        xhat = rows(x) - mean
-        y = np.multiply(xhat, xhat)                  # scratch for the variance, then the output
-        var = row_sums(y)[:, None]
+        centred = rows(x) - mean
+        var = row_sums(centred * centred)[:, None]
         var *= inv_c
         var += self.eps
         rstd = np.sqrt(var, out=var)
-        np.reciprocal(rstd, out=rstd)
-        xhat *= rstd
-        np.multiply(xhat, self.weight.data, out=y)
+        np.reciprocal(rstd, out=rstd)               # 1 / sqrt(var + eps)
+        xhat = np.multiply(centred, rstd, out=centred)
+        y = xhat * self.weight.data
         y += self.bias.data
         return y.reshape(x.shape), {"xhat": xhat, "rstd": rstd}
 
     def backward_input(self, dy, cache):
+        """dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy * weight (chapter 1 derives
+        it; reference: numpitron.reference.layernorm_backward). The weight half needs
+        only two column sums, sum(dy xhat) and sum(dy), so the cache keeps those."""
         xhat, rstd, w = rows(cache["xhat"]), rows(cache["rstd"]), self.weight.data
         dy2 = rows(dy)
         dy_xhat = dy2 * xhat
-        # The weight half needs only these two column sums: keep them, not (N, C) arrays.
         cache["dweight"], cache["dbias"] = column_sums(dy_xhat), column_sums(dy2)
-        # Closed form: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * weight.
-        # The two row means are matrix-vector products (BLAS): mean(g) = dy @ w / C and
-        # mean(g * xhat) = (dy * xhat) @ w / C.
+        # Both row means as matrix-vector products (BLAS), without forming g first:
+        # mean(g) = dy @ w / C and mean(g * xhat) = (dy * xhat) @ w / C.
         inv_c = 1.0 / xhat.shape[1]
         mean_g = (dy2 @ w)[:, None] * inv_c
         mean_gx = (dy_xhat @ w)[:, None] * inv_c
         g = dy2 * w
         g -= mean_g
-        g -= np.multiply(xhat, mean_gx, out=dy_xhat)
+        g -= xhat * mean_gx
         g *= rstd
         return g.reshape(dy.shape)
 

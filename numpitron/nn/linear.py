@@ -53,12 +53,14 @@ class ColumnParallelLinear(Layer):
             y += self.bias.data.reshape(-1)
         # Keep x as it came: sequence-parallel, that is 1/tp of the input (gathered
         # again for the weight gradient).
-        return y.reshape(*full.shape[:-1], -1), {"x": x}
+        return y.reshape(*full.shape[:-1], y.shape[-1]), {"x": x}
 
-    def backward_input(self, dy, cache):
+    def start_backward_input(self, dy, cache):
         cache["dy"] = dy
         dx = (rows(dy) @ self._w().T).reshape(dy.shape[:-1] + (-1,))    # this rank's share of dL/dx
-        return self.region.input_grad(dx)   # Megatron's "f" (all-reduce) or reduce-scatter
+        # Megatron's "f" (all-reduce) or reduce-scatter, perhaps still running when
+        # backward_weights starts: nothing there reads dx.
+        return self.region.start_input_grad(dx)
 
     def backward_weights(self, cache):
         dy = rows(cache["dy"])
@@ -70,8 +72,12 @@ class ColumnParallelLinear(Layer):
 class RowParallelLinear(Layer):
     """y = sum over tp of x[..., local inputs] @ W[local inputs, :], then + b."""
 
-    def __init__(self, name: str, in_features: int, out_features: int, topo, std: float = 0.02, region=None):
+    def __init__(self, name: str, in_features: int, out_features: int, topo, std: float = 0.02, region=None,
+                 add_bias: bool = True):
         self.region = region or ReplicatedRegion(topo.tp_comm)
+        # False: the caller adds the bias after its own sum over tp (the experts, whose
+        # region defers the sum). Its gradient is the same.
+        self.add_bias = add_bias
         tp = dict(tp_rank=topo.tp_rank, tp_size=topo.tp)
         self.weight = Param(f"{name}.weight", (in_features, out_features), split_axis=0, std=std, **tp)
         self.bias = Param(f"{name}.bias", (out_features,), init="zeros", decay=False, **tp)
@@ -81,9 +87,11 @@ class RowParallelLinear(Layer):
 
     def forward(self, x):
         # x: (B, T, in / tp) -> y: (B, T, out) (or (B, T/tp, out) sequence-parallel)
-        y = (rows(x) @ self.weight.data).reshape(*x.shape[:-1], -1)   # partial sum over this rank's inputs
+        y = rows(x) @ self.weight.data    # partial sum over this rank's inputs
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
         y = self.region.reduce(y)        # Megatron's "g" (all-reduce) or reduce-scatter
-        y += self.bias.data              # once, after the sum
+        if self.add_bias:
+            y += self.bias.data          # once, after the sum
         return y, {"x": x}
 
     def backward_input(self, dy, cache):

@@ -28,3 +28,8 @@ class Recomputed(Layer):
 
     def backward_weights(self, cache):
         self.inner.backward_weights(cache.pop("inner"))
+
+    def backward(self, dy, cache):
+        """Both halves: the inner layer's own, with whatever communication it overlaps."""
+        _, inner = self.inner.forward(cache["x"], **cache["context"])
+        return self.inner.backward(dy, inner)

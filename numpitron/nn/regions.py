@@ -16,11 +16,16 @@ dropout in Megatron) activations are either
   move; the activations between the layers take 1/tp of the memory.
 
 Every layer asks its region, so there is one code path: with tp = 1 both are no-ops.
+
+With `overlap` (--tp-comm-overlap) the column layer's input-gradient collective is
+started without waiting (`start_input_grad`): its weight gradient is computed while
+the sum travels (nn/layer.py, `Layer.backward`).
 """
 
 import numpy as np
 
 from numpitron.distributed.sharding import shard_bounds, shard_size
+from numpitron.nn.layer import InFlight
 
 
 class ReplicatedRegion:
@@ -28,9 +33,10 @@ class ReplicatedRegion:
 
     sequence_parallel = False
 
-    def __init__(self, tp_comm):
+    def __init__(self, tp_comm, overlap: bool = True):
         self.tp = tp_comm
         self.parts = 1                   # how many pieces of the sequence the tp ranks hold
+        self.overlap = overlap           # start the input-gradient collective, wait later
 
     def gather(self, x):
         """The whole input of a column-parallel layer: here, x itself."""
@@ -39,6 +45,12 @@ class ReplicatedRegion:
     def input_grad(self, dx):
         """Megatron's "f" in backward: sum the column layer's input gradient over tp."""
         return self.tp.all_reduce(dx)
+
+    def start_input_grad(self, dx) -> InFlight:
+        """input_grad, started: with overlap it is still running when this returns."""
+        if not self.overlap:
+            return InFlight(self.input_grad(dx))
+        return InFlight(dx, self.tp, self.tp.iall_reduce(dx))
 
     def reduce(self, y):
         """Megatron's "g": sum a row-parallel layer's partial outputs over tp."""
@@ -59,8 +71,8 @@ class SequenceParallelRegion(ReplicatedRegion):
 
     sequence_parallel = True
 
-    def __init__(self, tp_comm):
-        super().__init__(tp_comm)
+    def __init__(self, tp_comm, overlap: bool = True):
+        super().__init__(tp_comm, overlap)
         self.parts = tp_comm.size
 
     def gather(self, x):
@@ -71,18 +83,28 @@ class SequenceParallelRegion(ReplicatedRegion):
         self.tp.all_gather(full)
         return full.transpose(1, 0, 2, 3).reshape(B, self.tp.size * t, C)
 
-    def _reduce_scatter(self, y):
-        """Sum (B, T, C) over tp and keep this rank's (B, T/tp, C)."""
+    def _scatter_buffers(self, y):
+        """(B, T, C) -> its tp parts along the sequence, rank order first, and a
+        (B, T/tp, C) buffer for this rank's summed part."""
         B, T, C = y.shape
         t = shard_size(T, self.tp.size)
         parts = np.ascontiguousarray(y.reshape(B, self.tp.size, t, C).transpose(1, 0, 2, 3))
-        mine = np.empty((B, t, C), y.dtype)
-        self.tp.reduce_scatter(parts, mine)
-        return mine
+        return parts, np.empty((B, t, C), y.dtype)
+
+    def _reduce_scatter(self, y):
+        """Sum (B, T, C) over tp and keep this rank's (B, T/tp, C)."""
+        parts, mine = self._scatter_buffers(y)
+        return self.tp.reduce_scatter(parts, mine)
 
     def input_grad(self, dx):
         """"g" in backward: reduce-scatter the column layer's input gradient."""
         return self._reduce_scatter(dx)
+
+    def start_input_grad(self, dx) -> InFlight:
+        if not self.overlap:
+            return InFlight(self.input_grad(dx))
+        parts, mine = self._scatter_buffers(dx)
+        return InFlight(mine, self.tp, self.tp.ireduce_scatter(parts, mine, [mine.size] * self.tp.size))
 
     def reduce(self, y):
         """"g-bar": reduce-scatter a row-parallel layer's partial outputs."""
@@ -97,5 +119,20 @@ class SequenceParallelRegion(ReplicatedRegion):
         return rows[start:stop]
 
 
-def make_region(topo, sequence_parallel: bool):
-    return (SequenceParallelRegion if sequence_parallel else ReplicatedRegion)(topo.tp_comm)
+class DeferredSumRegion(ReplicatedRegion):
+    """Activations whole on every tp rank, as in ReplicatedRegion, but the caller makes
+    "f" and "g" itself, once for several layers: the experts of nn/experts.py, one
+    all-reduce for all the local experts' rows. The layers leave their partial sums."""
+
+    def input_grad(self, dx):
+        return dx
+
+    def start_input_grad(self, dx) -> InFlight:
+        return InFlight(dx)
+
+    def reduce(self, y):
+        return y
+
+
+def make_region(topo, sequence_parallel: bool, overlap: bool = True):
+    return (SequenceParallelRegion if sequence_parallel else ReplicatedRegion)(topo.tp_comm, overlap)

@@ -8,10 +8,12 @@ sent as soon as they exist (non-blocking Isend, completed at the end of the
 iteration): a schedule whose dependencies `schedules.simulate` can run to the end
 cannot deadlock here, because the receives are the only waits.
 
-Virtual stage j (chunk j // p) lives on pp rank j mod p: activations go from j to
-j+1, gradients from j+1 to j, around the ring of pp ranks when interleaving. Every
-message has its own tag (activation or gradient, micro-batch, chunk), so no two can be confused even
-when both neighbours are the same rank (p = 2).
+The model's `placement` (distributed/stages.py) says which rank holds each virtual
+stage: activations go from j to j+1, gradients from j+1 to j, around the ring of pp
+ranks when interleaving, down and back up the V in ZB-V and DualPipeV. Where both
+stages live on this rank (the bottom of the V) the array is handed over in memory, not
+sent. Every message has its own tag (activation or gradient, micro-batch, chunk), so
+no two can be confused even when both neighbours are the same rank (p = 2).
 """
 
 import time
@@ -69,10 +71,11 @@ class _Route:
 
     def __init__(self, model, topo, m: int):
         self.model, self.topo, self.m = model, topo, m
-        self.p = topo.pp
+        self.placement = model.placement
+        self.kept = {}            # tag -> array handed from one chunk of this rank to another
 
     def virtual_stage(self, chunk: int) -> int:
-        return chunk * self.p + self.topo.pp_rank
+        return self.placement.stage(self.topo.pp_rank, chunk)
 
     def tag(self, receiving_stage: int, message: int, microbatch: int) -> int:
         """One tag per message of the iteration: (receiving virtual stage, micro-batch,
@@ -82,15 +85,22 @@ class _Route:
     def receive(self, message: int, tokens, microbatch: int, chunk: int):
         """Activations from virtual stage j-1 (ACTIVATION) or the gradient from j+1 (GRADIENT)."""
         j = self.virtual_stage(chunk)
-        source = (j - 1 if message == ACTIVATION else j + 1) % self.p
+        source, tag = self.placement.rank_of(j - 1 if message == ACTIVATION else j + 1), self.tag(j, message, microbatch)
+        if source == self.topo.pp_rank:
+            return self.kept.pop(tag)
         B, T = tokens.shape
         buf = np.empty(self.model.input_shape(B, T), self.model.dtype)
-        return self.topo.pp_comm.recv(buf, source, self.tag(j, message, microbatch))
+        return self.topo.pp_comm.recv(buf, source, tag)
 
-    def send(self, message: int, array, microbatch: int, chunk: int):
-        """Activations on to virtual stage j+1, or the input gradient back to j-1."""
+    def send(self, message: int, array, microbatch: int, chunk: int) -> list:
+        """Activations on to virtual stage j+1, or the input gradient back to j-1.
+        Returns the pending requests (none when j+1 or j-1 is on this rank)."""
         to = self.virtual_stage(chunk) + (1 if message == ACTIVATION else -1)
-        return self.topo.pp_comm.isend(array, to % self.p, self.tag(to, message, microbatch))
+        rank, tag = self.placement.rank_of(to), self.tag(to, message, microbatch)
+        if rank == self.topo.pp_rank:       # a copy, as a receive would give: neither side may alias the other
+            self.kept[tag] = array.copy()
+            return []
+        return [self.topo.pp_comm.isend(array, rank, tag)]
 
 
 def check_backward_splits(model, schedule: str) -> None:
@@ -154,9 +164,9 @@ class _Executor:
             if self.model.holds_head(op.chunk):
                 self.losses.append(output)
             else:
-                self.pending_sends.append(self.route.send(ACTIVATION, output, *key))
+                self.pending_sends += self.route.send(ACTIVATION, output, *key)
         elif op.action != WEIGHT_GRAD and not self.model.holds_embeddings(op.chunk):
-            self.pending_sends.append(self.route.send(GRADIENT, output, *key))
+            self.pending_sends += self.route.send(GRADIENT, output, *key)
 
     def finish(self) -> list:
         self.topo.pp_comm.wait_all(self.pending_sends)

@@ -9,7 +9,9 @@ An operation is (action, micro-batch, chunk). The actions:
 
 A rank holds v chunks ("virtual stages", Narayanan et al. 2021, §2.2.2): chunk c of
 pp rank r is virtual stage c*p + r of a pipeline of p*v, so a micro-batch visits
-every rank v times. Without interleaving v = 1 and every chunk is 0.
+every rank v times. Without interleaving v = 1 and every chunk is 0. The V-shaped
+schedules place rank r's two chunks at virtual stages r and 2p-1-r instead
+(distributed/stages.py holds both placements).
 
   GPipe (Huang et al. 2019): all m forwards, then all m backwards.
   1F1B (PipeDream-Flush, Narayanan et al. 2021, Fig. 4): three phases. Warm-up:
@@ -23,6 +25,7 @@ every rank v times. Without interleaving v = 1 and every chunk is 0.
   ZB-H1 (Qi et al. 2024, §2.1, Fig. 3 top): 1F1B with the backward split; stage r
       runs its first W r rounds late, so every stage keeps p micro-batches in flight
       and the W passes fill the bubble 1F1B leaves at the end of the iteration.
+  ZB-V and DualPipeV (`zb_v`, `dualpipe_v` below): two chunks per rank in a V.
 
 `simulate` runs a schedule's dependencies with unit costs: it proves a schedule
 complete and deadlock-free (the executor blocks only on receives, which is what it
@@ -33,7 +36,8 @@ from fractions import Fraction
 from functools import lru_cache
 from typing import NamedTuple
 
-from numpitron.config import GPIPE, INTERLEAVED, ONE_F_ONE_B, ZERO_BUBBLE
+from numpitron.config import DUALPIPE_V, GPIPE, INTERLEAVED, ONE_F_ONE_B, V_SHAPED, ZB_V, ZERO_BUBBLE
+from numpitron.distributed.stages import StagePlacement
 
 FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = "F", "BW", "B", "W"
 # Relative costs for the ideal timeline: the input and the weight halves each cost
@@ -100,11 +104,122 @@ def zero_bubble(m: int, p: int, stage: int, v: int = 1) -> list[Op]:
     return ops + [Op(WEIGHT_GRAD, i) for i in range(weights_done, m)]
 
 
-BUILDERS = {GPIPE: gpipe, ONE_F_ONE_B: one_f_one_b, INTERLEAVED: interleaved, ZERO_BUBBLE: zero_bubble}
+class _VRank:
+    """One rank's list for a V schedule, written phase by phase: each chunk's forwards
+    and backwards go through the micro-batches in order, and a W is always the oldest
+    weight half still owed (a backward run as B now owes its W)."""
+
+    def __init__(self):
+        self.ops, self.owed = [], []
+        self.next = {(FORWARD, 0): 0, (FORWARD, 1): 0, (INPUT_GRAD, 0): 0, (INPUT_GRAD, 1): 0}
+
+    def forward(self, chunk: int) -> None:
+        self.ops.append(Op(FORWARD, self.next[FORWARD, chunk], chunk))
+        self.next[FORWARD, chunk] += 1
+
+    def backward(self, chunk: int, split: bool = True) -> None:
+        """B (its W owed) when split, else the whole backward BW."""
+        op = Op(INPUT_GRAD if split else BACKWARD, self.next[INPUT_GRAD, chunk], chunk)
+        self.ops.append(op)
+        self.next[INPUT_GRAD, chunk] += 1
+        if split:
+            self.owed.append(op._replace(action=WEIGHT_GRAD))
+
+    def weight(self) -> None:
+        self.ops.append(self.owed.pop(0))
+
+
+def _v_warmup(rank: _VRank, p: int, r: int) -> None:
+    """The start both V schedules share (rank r of p). The first chunk's forwards fill
+    the V down to rank p-1: 2(p-r-1) of them alone, then r+1 pairs of a chunk-0 and a
+    chunk-1 forward; then p-r-1 rounds of B1 W1 F1 while chunk 1's forwards arrive
+    from below. Rank 0 has then run 2p-1 chunk-0 forwards: m >= 2p-1."""
+    for _ in range(2 * (p - r - 1)):
+        rank.forward(0)
+    for _ in range(r + 1):
+        rank.forward(0)
+        rank.forward(1)
+    for _ in range(p - r - 1):
+        rank.backward(1)
+        rank.weight()
+        rank.forward(1)
+
+
+def _v_drain(rank: _VRank, p: int, r: int) -> None:
+    """The end both V schedules share: the last p-r-1 chunk-0 gradients come up from
+    below, each B0 after one W owed; then the W passes still owed."""
+    for _ in range(p - r - 1):
+        rank.weight()
+        rank.backward(0)
+    while rank.owed:
+        rank.weight()
+
+
+def zb_v(m: int, p: int, stage: int, v: int = 2) -> list[Op]:
+    """ZB-V (Qi et al. 2024, the V schedule of zero bubble): every backward split. In
+    the steady state each round frees before it allocates, B1 W1 B0 W0 F0 F1, so no
+    rank ever holds more than 2p chunk caches: p micro-batches' worth, 1F1B's first
+    stage. In the cool-down the W passes wait while the B passes, which the ranks
+    below wait for, go first; the W passes fill the time that would be idle."""
+    rank, r = _VRank(), stage
+    _v_warmup(rank, p, r)
+    for _ in range(m - 2 * p + r + 1):                  # steady state
+        for chunk in (1, 0):
+            rank.backward(chunk)
+            rank.weight()
+        rank.forward(0)
+        rank.forward(1)
+    for _ in range(p - r - 1):                          # chunk 0's forwards are done
+        for chunk in (1, 0):
+            rank.backward(chunk)
+            rank.weight()
+        rank.forward(1)
+    for _ in range(r + 1):                              # cool-down: B first, W later
+        rank.backward(1)
+        rank.backward(0)
+    _v_drain(rank, p, r)
+    return rank.ops
+
+
+def dualpipe_v(m: int, p: int, stage: int, v: int = 2) -> list[Op]:
+    """DualPipeV (DeepSeek-AI 2025, DualPipe cut in half, after the deepseek-ai/DualPipe
+    README): in the steady state a forward of one chunk is paired with the whole
+    backward of the other, F0 BW1, F1 BW0, so that on a GPU one's computation hides the
+    other's communication. Here the pair is two operations in a row (the compute never
+    runs concurrently on a CPU). The backward is split only near the ends, where its
+    W passes fill the ramps. Each rank holds up to 2p + 1 chunk caches."""
+    rank, r = _VRank(), stage
+    _v_warmup(rank, p, r)
+    for _ in range(m - 2 * p + r + 1):                  # steady state: overlapped pairs
+        rank.forward(0)
+        rank.backward(1, split=False)
+        rank.forward(1)
+        rank.backward(0, split=False)
+    for _ in range(p - r - 1):                          # chunk 0's forwards are done
+        rank.backward(1, split=False)
+        rank.forward(1)
+        rank.backward(0, split=False)
+    # Cool-down: r+1 rounds of B1 B0, whole at first, split from the middle on (chunk
+    # 1 switches first on odd ranks).
+    middle = (r + 1) // 2
+    for i in range(r + 1):
+        rank.backward(1, split=i > middle or (i == middle and r % 2 == 1))
+        rank.backward(0, split=i >= middle)
+    _v_drain(rank, p, r)
+    return rank.ops
+
+
+BUILDERS = {GPIPE: gpipe, ONE_F_ONE_B: one_f_one_b, INTERLEAVED: interleaved, ZERO_BUBBLE: zero_bubble,
+            ZB_V: zb_v, DUALPIPE_V: dualpipe_v}
 
 
 def make_schedule(name: str, m: int, p: int, stage: int, v: int = 1) -> list[Op]:
     return BUILDERS[name](m, p, stage, v)
+
+
+def placement_of(name: str, p: int, v: int = 1) -> StagePlacement:
+    """Where a schedule's virtual stages live: the V schedules' own placement, else the loop."""
+    return StagePlacement(p, 2, True) if name in V_SHAPED else StagePlacement(p, v)
 
 
 def format_schedule(ops: list[Op]) -> str:
@@ -117,7 +232,12 @@ def closed_form_bubble(name: str, p: int, m: int, v: int = 1) -> float:
     and the halves equal: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved
     (Narayanan et al. 2021, §2.2.2), (p-1)/(3m+p-1) for ZB-H1 (Qi et al. 2024, §2.1:
     a bubble of (p-1)(T_F + T_B - T_W) against 1F1B's (p-1)(T_F + T_B + T_W)).
-    Exact for ZB-H1 when m >= p, and for interleaving when p divides m."""
+    Exact for ZB-H1 when m >= p, and for interleaving when p divides m.
+    ZB-V and DualPipeV, each chunk half a stage: every rank idles (p-1) chunk
+    forwards, (p-1)/2 of 1F1B's units, so (p-1)/(6m+p-1) (docs/10-pipeline-schedules.md
+    derives it and sets it beside the DualPipe README's table)."""
+    if name in V_SHAPED:
+        return (p - 1) / (6 * m + p - 1)
     if name == INTERLEAVED:
         return (p - 1) / (v * m + p - 1)
     if name == ZERO_BUBBLE:
@@ -125,19 +245,20 @@ def closed_form_bubble(name: str, p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (m + p - 1)
 
 
-def dependencies(op: Op, rank: int, p: int, v: int) -> list[tuple[Op, int]]:
+def dependencies(op: Op, rank: int, placement: StagePlacement) -> list[tuple[Op, int]]:
     """(operation, pp rank) pairs that must finish before `op` can start on `rank`."""
-    last = p * v - 1
-    stage = op.chunk * p + rank                        # its virtual stage
+    stage = placement.stage(rank, op.chunk)
     if op.action == FORWARD:
         if stage == 0:
             return []
-        return [(Op(FORWARD, op.microbatch, (stage - 1) // p), (stage - 1) % p)]
+        before, chunk = placement.holder(stage - 1)
+        return [(Op(FORWARD, op.microbatch, chunk), before)]
     if op.action == WEIGHT_GRAD:
         return [(Op(INPUT_GRAD, op.microbatch, op.chunk), rank)]
     needs = [(Op(FORWARD, op.microbatch, op.chunk), rank)]
-    if stage < last:                                   # the gradient from the next virtual stage
-        needs.append((Op(INPUT_GRAD, op.microbatch, (stage + 1) // p), (stage + 1) % p))
+    if stage < placement.stages - 1:                   # the gradient from the next virtual stage
+        after, chunk = placement.holder(stage + 1)
+        needs.append((Op(INPUT_GRAD, op.microbatch, chunk), after))
     return needs
 
 
@@ -145,12 +266,17 @@ class ScheduleError(ValueError):
     pass
 
 
-def simulate(schedules: list[list[Op]], m: int, v: int = 1, cost=None) -> list[Fraction]:
+def simulate(schedules: list[list[Op]], m: int, v: int = 1, cost=None, v_shape: bool = False,
+             events: dict | None = None, paired: bool = False) -> list[Fraction]:
     """Run every stage's list in order, each operation as soon as what it depends on
-    has finished (cost: time per action, divided by v per chunk). Returns the time each
-    stage finishes. Raises ScheduleError if an operation is missing, repeated, or
-    waits forever (the executor would deadlock)."""
+    has finished (cost: time per action, divided by v per chunk; v_shape: the V
+    placement). Returns the time each stage finishes; `events`, when given, receives
+    {(op, rank): (start, end)}. Raises ScheduleError if an operation is missing,
+    repeated, or waits forever (the executor would deadlock).
+    paired: an F followed by a BW starts only when both inputs are in, as DualPipe's
+    overlapped pair does (this executor starts the F alone, as soon as it can)."""
     p, cost = len(schedules), cost or UNIT_COST
+    placement = StagePlacement(p, v, v_shape)
     for rank, ops in enumerate(schedules):
         check_complete(ops, m, v, rank)
     finished, clock, position = {}, [Fraction(0)] * p, [0] * p
@@ -160,10 +286,17 @@ def simulate(schedules: list[list[Op]], m: int, v: int = 1, cost=None) -> list[F
         for rank, ops in enumerate(schedules):
             while position[rank] < len(ops):
                 op = ops[position[rank]]
-                needs = dependencies(op, rank, p, v)
+                needs = dependencies(op, rank, placement)
+                following = ops[position[rank] + 1] if position[rank] + 1 < len(ops) else None
+                if paired and op.action == FORWARD and following and following.action == BACKWARD:
+                    needs = needs + [dep for dep in dependencies(following, rank, placement)
+                                     if dep != (following._replace(action=FORWARD), rank)]
                 if not all(dep in finished for dep in needs):
                     break
-                clock[rank] = max([clock[rank]] + [finished[dep] for dep in needs]) + Fraction(cost[op.action], v)
+                begin = max([clock[rank]] + [finished[dep] for dep in needs])
+                clock[rank] = begin + Fraction(cost[op.action], v)
+                if events is not None:
+                    events[(op, rank)] = (begin, clock[rank])
                 finished[(op, rank)] = clock[rank]
                 if op.action == BACKWARD:               # a whole backward includes the input half
                     finished[(op._replace(action=INPUT_GRAD), rank)] = clock[rank]
@@ -193,9 +326,10 @@ def check_complete(ops: list[Op], m: int, v: int, rank: int = 0) -> None:
 @lru_cache(maxsize=256)
 def ideal_bubble(name: str, p: int, m: int, v: int = 1) -> float:
     """The bubble of the schedule's unit-cost timeline: 1 - busy / (p * makespan)."""
-    schedules = [make_schedule(name, m, p, stage, v) for stage in range(p)]
-    makespan = max(simulate(schedules, m, v))
-    busy = sum(Fraction(UNIT_COST[op.action], v) for ops in schedules for op in ops)
+    placement = placement_of(name, p, v)
+    schedules = [make_schedule(name, m, p, stage, placement.v) for stage in range(p)]
+    makespan = max(simulate(schedules, m, placement.v, v_shape=placement.v_shape))
+    busy = sum(Fraction(UNIT_COST[op.action], placement.v) for ops in schedules for op in ops)
     return float(1 - busy / (p * makespan))
 
 

@@ -27,7 +27,8 @@ def parser():
     p = training_parser("Plan a run: memory, communication, FLOPs and time per rank.")
     g = p.add_argument_group("planning")
     g.add_argument("--vocab-size", type=int, default=65, help="65: Tiny Shakespeare's characters")
-    g.add_argument("--device", default="this-machine", help="a profile: this-machine, a100-80gb-node, h100-80gb-node")
+    g.add_argument("--device", default="this-machine",
+                   help="a profile's name (this-machine, a100-80gb-node, h100-80gb-node) or a path to a .json profile")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--search", action="store_true", help="rank every layout of --devices devices")
     g.add_argument("--devices", type=int, default=None, help="world size (default: the mesh flags' product)")
@@ -132,9 +133,11 @@ def main(argv=None) -> int:
         raise UserError("the planner does not model mixture-of-experts layers yet (their all-to-all bytes "
                         "depend on the routing): plan the dense model, see docs/14-experts.md; this model has "
                         + size_line(parameter_counts(model, args.pipeline_parallel_size, parallel.virtual_stages)))
+    if args.devices is not None and args.devices < 1:
+        raise UserError(f"--devices must be positive, got {args.devices}")
     device = load_device(args.device)
     if args.search:
-        if not args.devices or args.devices < 1:
+        if not args.devices:
             raise UserError("--search needs --devices N")
         fits, rejected = search(args, model, parallel, train, device)
         if args.json:

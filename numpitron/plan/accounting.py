@@ -72,9 +72,9 @@ def parameter_elements(model, rank: Rank) -> tuple[int, int]:
     the token embedding on the first and last stage (one copy each), the positions on
     the first, ln_f on the last."""
     layers = layer_elements(model, rank.tp)
-    pieces = ["block"] * (model.n_layers // rank.pp) + ["token"] * (rank.first or rank.last) \
-        + ["position"] * rank.first + ["head"] * rank.last
-    return sum(layers[p][0] for p in pieces), sum(layers[p][1] for p in pieces)
+    copies = {"block": model.n_layers // rank.pp, "token": int(rank.first or rank.last),
+              "position": int(rank.first), "head": int(rank.last)}
+    return tuple(sum(count * layers[piece][i] for piece, count in copies.items()) for i in (0, 1))
 
 
 def block_elements(model, tp: int) -> int:

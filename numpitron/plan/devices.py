@@ -96,12 +96,16 @@ PAPER = {
 
 
 def load_device(name: str) -> Device:
+    """A profile by name (the paper ones, then profiles/NAME.json), or by path: only a
+    name ending in .json is read as a path, so no name reaches outside profiles/."""
     if name in PAPER:
         return PAPER[name]
-    path = PROFILES_DIR / f"{name}.json"
-    if not path.is_file():
-        known = ", ".join(sorted(PAPER) + sorted(p.stem for p in PROFILES_DIR.glob("*.json")))
-        raise UserError(f"unknown device {name!r}; choose one of {known} (benchmarks/calibrate.py writes this-machine)")
+    profiles = {p.stem: p for p in PROFILES_DIR.glob("*.json")}
+    path = Path(name) if name.endswith(".json") else profiles.get(name)
+    if path is None or not path.is_file():
+        known = ", ".join(sorted(PAPER) + sorted(profiles))
+        raise UserError(f"unknown device {name!r}; choose one of {known}, or give a path ending in .json "
+                        f"(benchmarks/calibrate.py writes this-machine)")
     try:
         fields = json.loads(path.read_text())
         fields["matmul_curve"] = tuple(tuple(point) for point in fields.get("matmul_curve", ()))

@@ -27,8 +27,7 @@ def placement():
 
 def equivalence():
     from mpi4py import MPI
-    from tests.test_equivalence import check_mesh
-    from tests.test_expert_parallel import check_moe_mesh
+    from tests.harness import check_mesh
     layouts = [dict(tensor=2, data=2, bucket_size=2000),                 # tp in a host, dp across
                dict(tensor=2, pipeline=2, schedule="1f1b"),              # pp across
                dict(context=2, data=2, zero_stage=3),                    # cp in a host, ZeRO-3 across
@@ -37,7 +36,7 @@ def equivalence():
         check_mesh(mesh)
         if MPI.COMM_WORLD.Get_rank() == 0:
             print(f"same as one process: {mesh}", flush=True)
-    check_moe_mesh(dict(data=4, expert=2), moe_capacity_factor=1.0)      # all-to-all in a host, expert dp across
+    check_mesh(dict(data=4, expert=2), model=dict(num_experts=4, moe_top_k=2, moe_capacity_factor=1.0))  # all-to-all in a host, expert dp across
     if MPI.COMM_WORLD.Get_rank() == 0:
         print("same as one process: experts data=4 expert=2", flush=True)
 
