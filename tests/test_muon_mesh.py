@@ -36,7 +36,7 @@ def test_muon_on_four_ranks_matches_one_process(mesh):
 @pytest.mark.parallel(nprocs=2)
 def test_muon_with_experts_matches_one_process():
     """The experts' matrices too, their owners over tp x the experts' own ZeRO group."""
-    check_mesh(dict(data=2, expert=2, zero_stage=1), model=dict(num_experts=2, moe_top_k=2), optimizer="muon")
+    check_mesh(dict(data=2, expert=2, zero_stage=1), model=dict(num_experts=2, moe_top_k=1), optimizer="muon")
 
 
 def muon_bytes(trainer) -> float:
