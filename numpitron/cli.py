@@ -5,7 +5,8 @@ import argparse
 import math
 
 from numpitron.config import CONTEXT_PARALLEL_TYPES, OPTIMIZERS
-from numpitron.config import DTYPES, LOAD_BALANCING, RECOMPUTE, SCHEDULES, ZERO_STAGES, ModelConfig, ParallelConfig, TrainConfig, check_layout
+from numpitron.config import DTYPES, LOAD_BALANCING, RECOMPUTE, SCHEDULES, ZERO_STAGES, ModelConfig, ParallelConfig, TrainConfig
+from numpitron.layout import check_layout
 from numpitron.distributed.watchdog import DEFAULT_TIMEOUT_S
 from numpitron.errors import UserError
 

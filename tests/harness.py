@@ -14,7 +14,8 @@ from typing import NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from numpitron.config import ModelConfig, ParallelConfig, TrainConfig, check_layout
+from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
+from numpitron.layout import check_layout
 from numpitron.distributed.gather import gather_stores
 from numpitron.distributed.topology import Topology
 from numpitron.nn.param import ParamStore

@@ -6,7 +6,8 @@ dropped tokens giving zero), and the one-line errors for bad settings."""
 import numpy as np
 import pytest
 
-from numpitron.config import ModelConfig, ParallelConfig, check_layout
+from numpitron.config import ModelConfig, ParallelConfig
+from numpitron.layout import check_layout
 from numpitron.distributed.topology import Mesh, Topology
 from numpitron.errors import UserError
 from numpitron.nn.experts import LocalExperts

@@ -6,7 +6,7 @@ ten float64 iterations equal to one process on tp, ep and pp meshes."""
 import numpy as np
 import pytest
 
-from numpitron.config import check_layout
+from numpitron.layout import check_layout
 from numpitron.distributed.topology import Mesh, Topology
 from numpitron.errors import UserError
 from numpitron.nn.moe import MixtureOfExperts

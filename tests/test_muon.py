@@ -110,7 +110,8 @@ def test_bad_muon_flags_are_one_line(flags, message, data_dir, tmp_path):
 
 
 def test_combinations_muon_does_not_run_yet_are_one_line_each():
-    from numpitron.config import ModelConfig, ParallelConfig, check_layout
+    from numpitron.config import ModelConfig, ParallelConfig
+    from numpitron.layout import check_layout
     from numpitron.distributed.topology import resolve_mesh
     muon, model = TrainConfig(optimizer="muon").validate(), ModelConfig(**SMALLER)
     with pytest.raises(UserError, match="--optimizer muon keeps no fp32 master weights yet"):

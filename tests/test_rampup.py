@@ -88,7 +88,8 @@ def test_metrics_show_the_growing_batch_and_bad_flags_are_one_line(data_dir, tmp
 
 
 def test_a_ramp_that_starts_below_what_a_v_shaped_schedule_needs_is_one_line():
-    from numpitron.config import ModelConfig, ParallelConfig, TrainConfig, check_layout
+    from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
+    from numpitron.layout import check_layout
     from numpitron.distributed.topology import resolve_mesh
     from numpitron.errors import UserError
     model, v_shape = ModelConfig(n_layers=4, n_heads=2), ParallelConfig(schedule="zb-v").validate()

@@ -8,7 +8,8 @@ from fractions import Fraction
 import pytest
 from mpi4py import MPI
 
-from numpitron.config import SCHEDULES, SPLIT_BACKWARD, V_SHAPED, ParallelConfig, check_layout
+from numpitron.config import SCHEDULES, SPLIT_BACKWARD, V_SHAPED, ParallelConfig
+from numpitron.layout import check_layout
 from numpitron.distributed.stages import StagePlacement
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError

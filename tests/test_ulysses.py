@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from numpitron.config import ParallelConfig, check_layout
+from numpitron.config import ParallelConfig
+from numpitron.layout import check_layout
 from numpitron.distributed.topology import Mesh, Topology
 from numpitron.errors import UserError
 from numpitron.distributed.zigzag import local_positions, zigzag_chunks

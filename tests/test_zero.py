@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from numpitron.config import ParallelConfig, check_layout
+from numpitron.config import ParallelConfig
+from numpitron.layout import check_layout
 from numpitron.errors import UserError
 from tests.harness import assert_on_every_rank, check_mesh, make_trainer, mesh_id, tiny_model, tiny_tokens, tiny_train
 

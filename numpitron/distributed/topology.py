@@ -47,7 +47,7 @@ def resolve_mesh(world_size: int, tensor: int, pipeline: int, data: int | None, 
                  expert: int = 1, data_shard: int | None = None) -> Mesh:
     """The mesh sizes for this world, with dp derived when not given and S = dp unless
     given. No communication. (That ep divides dp is checked with the model, in
-    config.check_layout.)"""
+    layout.check_layout.)"""
     for name, value in (("tensor-parallel size", tensor), ("pipeline-parallel size", pipeline),
                         ("data-parallel size", data), ("context-parallel size", context),
                         ("expert-parallel size", expert), ("data-parallel shard size", data_shard)):

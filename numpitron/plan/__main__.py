@@ -15,7 +15,7 @@ import json
 from dataclasses import replace
 
 from numpitron.cli import configs_from_args, training_parser
-from numpitron.config import check_layout
+from numpitron.layout import check_layout
 from numpitron.distributed.stages import StagePlacement
 from numpitron.distributed.topology import resolve_mesh
 from numpitron.errors import UserError, exit_with_one_line
