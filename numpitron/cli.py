@@ -9,6 +9,7 @@ from numpitron.config import DTYPES, LOAD_BALANCING, RECOMPUTE, SCHEDULES, ZERO_
 from numpitron.layout import check_layout
 from numpitron.distributed.watchdog import DEFAULT_TIMEOUT_S
 from numpitron.errors import UserError
+from numpitron.precision import GRAD_REDUCE_DTYPES
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -133,6 +134,9 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                    help="initial loss scale, a power of two (0: fp16 starts at 2^16, the others use none)")
     g.add_argument("--loss-scale-window", type=int, default=d.loss_scale_window,
                    help="fp16: clean steps before the loss scale doubles")
+    g.add_argument("--grad-reduce-dtype", choices=GRAD_REDUCE_DTYPES, default=d.grad_reduce_dtype,
+                   help="bf16/fp16: sum gradients over dp in fp32 (4 bytes an element) or in the "
+                        "parameters' format (param: 2 bytes)")
     g.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer,
                    help="muon: Newton-Schulz-orthogonalised momentum for the blocks' matrices, AdamW for the rest")
     g.add_argument("--muon-lr", type=float, default=d.muon_lr, help="Muon's peak learning rate (0: --lr)")
@@ -185,7 +189,7 @@ def configs_from_args(args) -> tuple[ModelConfig, ParallelConfig, TrainConfig]:
                             "max_iters", "eval_interval", "eval_iters", "warmup_iters", "lr_decay_iters",
                             "log_interval", "save_interval", "keep_checkpoints", "seed", "lr", "min_lr",
                             "weight_decay", "grad_clip", "beta1", "beta2", "precision", "loss_scale",
-                            "loss_scale_window", "optimizer", "muon_lr", "muon_momentum")}).validate()
+                            "loss_scale_window", "grad_reduce_dtype", "optimizer", "muon_lr", "muon_momentum")}).validate()
     return model, parallel, train
 
 

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from numpitron.errors import UserError
-from numpitron.precision import check_precision
+from numpitron.precision import GRAD_REDUCE_DTYPES, check_precision
 
 DTYPES = ("float32", "float64")
 # The pipeline schedules' names, the one place they are spelled (parallel/schedules.py
@@ -173,6 +173,7 @@ class TrainConfig:
     precision: str = "fp32"
     loss_scale: float = 0.0             # the initial loss scale; 0: the format's (fp16 2^16, else 1)
     loss_scale_window: int = 1000       # fp16: clean steps before the scale doubles
+    grad_reduce_dtype: str = "fp32"     # gradients summed over dp in fp32, or "param": the low format
     optimizer: str = "adamw"            # or "muon": hidden matrices orthogonalised (optim/muon.py)
     muon_lr: float = 0.0                # 0: lr (Muon's update is scaled to AdamW's RMS)
     muon_momentum: float = 0.95
@@ -207,6 +208,9 @@ class TrainConfig:
         if self.min_lr > self.lr:
             raise UserError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         check_precision(self.precision, "float32", self.loss_scale, self.loss_scale_window)
+        if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise UserError(f"unknown --grad-reduce-dtype {self.grad_reduce_dtype!r}; choose one of "
+                            f"{', '.join(GRAD_REDUCE_DTYPES)}")
         if self.optimizer == "muon" and self.precision != "fp32":
             raise UserError(f"--optimizer muon keeps no fp32 master weights yet: use --precision fp32 with it "
                             f"(not {self.precision})")

@@ -72,6 +72,21 @@ FORMATS = {
 }
 PRECISIONS = tuple(FORMATS)
 
+# What gradients are summed in over the data-parallel ranks (--grad-reduce-dtype,
+# docs/18-numbers.md): "param", the low format itself (2 bytes an element on the wire,
+# every partial sum rounded to it), or "fp32" (4 bytes; the sum of the low-format
+# gradients is rounded once, when it lands in the low-format gradient buffer).
+GRAD_REDUCE_DTYPES = ("fp32", "param")
+
+
+def wires(fmt: Format, grad_reduce_dtype: str) -> tuple:
+    """(gradients' wire format, parameters' wire format) for Comm's collectives: None
+    where the float32 arrays travel as they are. Parameters are gathered in the low
+    format (exactly: they hold its values); an fp32 run sends everything as it is."""
+    if not fmt.mixed:
+        return None, None
+    return (fmt.dtype if grad_reduce_dtype == "param" else None), fmt.dtype
+
 
 def check_precision(precision: str, dtype: str, loss_scale: float, loss_scale_window: int) -> None:
     """One clear line for a precision the run cannot use."""
@@ -97,6 +112,7 @@ class LossScaler:
     scales dynamically; bf16 and fp32 keep a scale of 1 (or the one given)."""
 
     def __init__(self, fmt: Format, initial: float = 0.0, window: int = 1000):
+        self.precision = fmt.name
         self.dynamic = fmt.name == "fp16"
         self.scale = float(initial or fmt.loss_scale)
         self.window, self.clean_steps, self.skipped_steps = window, 0, 0
@@ -118,3 +134,36 @@ class LossScaler:
 
     def state(self) -> dict:
         return {"loss_scale": self.scale, "skipped_steps": self.skipped_steps}
+
+    def checkpoint(self) -> dict:
+        """What a resumed run needs to scale, skip and double exactly as this one would:
+        the scale, the clean steps since it last changed, the steps skipped so far."""
+        return {"precision": self.precision, "loss_scale": self.scale, "clean_steps": self.clean_steps,
+                "skipped_steps": self.skipped_steps}
+
+    def restore(self, saved: dict | None) -> None:
+        """Continue from a checkpoint's scaler (`saved_loss_scaler` checked it) if it was
+        saved in this precision. Another precision's scale means nothing here (a bf16
+        run's 1 would underflow fp16's gradients): this run's own initial scale stays."""
+        if saved is not None and saved["precision"] == self.precision:
+            self.scale, self.clean_steps = float(saved["loss_scale"]), saved["clean_steps"]
+            self.skipped_steps = saved["skipped_steps"]
+
+
+def saved_loss_scaler(saved, where: str) -> dict | None:
+    """A checkpoint manifest's `loss_scaler` entry, checked (None: saved before scalers
+    were, or by no trainer); one line for anything a scaler could not continue from."""
+    if saved is None:
+        return None
+    counts = ("clean_steps", "skipped_steps")
+    ok = (isinstance(saved, dict) and saved.get("precision") in FORMATS
+          and isinstance(saved.get("loss_scale"), (int, float)) and not isinstance(saved.get("loss_scale"), bool)
+          and all(isinstance(saved.get(k), int) and not isinstance(saved.get(k), bool) and saved[k] >= 0
+                  for k in counts))
+    if ok:
+        exponent = np.log2(saved["loss_scale"]) if saved["loss_scale"] > 0 else 0.5
+        ok = bool(np.isfinite(exponent) and exponent == int(exponent))
+    if not ok:
+        raise UserError(f"corrupt checkpoint manifest in {where}: loss_scaler is {saved!r}, not a precision, "
+                        f"a power-of-two loss_scale and non-negative clean_steps and skipped_steps")
+    return saved

@@ -11,6 +11,12 @@ it against the formula for each parallel strategy:
     send / recv               bytes(buffer)
     all_to_all(v)             bytes this rank sends to the others (its own block stays)
 
+A reduction or gather may travel in a `wire` format MPI does not know (bf16, fp16 of a
+mixed-precision run, docs/18-numbers.md): the buffer is cast to it, moved as 2-byte
+integers (so the bytes counted are the format's), summed by `low_format_sum` (each
+addition in fp32, rounded back to the format, as NCCL adds bf16 at every hop of its
+ring), and cast back into the buffer when the call completes (distributed/wire.py).
+
 Each call also adds its seconds (for non-blocking calls: the seconds spent waiting).
 On a communicator of size 1 every collective is a no-op that counts nothing, so a
 single process runs the same code as a mesh. Every call that can block tells the
@@ -24,6 +30,7 @@ from collections import defaultdict
 import numpy as np
 
 from numpitron.distributed.watchdog import Watchdog
+from numpitron.distributed.wire import on_wire, sum_op
 
 
 class CommStats:
@@ -59,10 +66,12 @@ class CommStats:
 
 class Pending:
     """A non-blocking collective in flight: `Comm.wait` completes it (and counts the
-    seconds spent waiting), `Comm.test` lets MPI progress it without blocking."""
+    seconds spent waiting, then runs `then`: a wire format's result cast back),
+    `Comm.test` lets MPI progress it without blocking."""
 
-    def __init__(self, request, collective: str):
+    def __init__(self, request, collective: str, then=None):
         self.request, self.collective, self.done = request, collective, request is None
+        self.then = then
 
 
 class Comm:
@@ -92,22 +101,27 @@ class Comm:
         finally:
             self.watchdog.leave()
 
-    def all_reduce(self, buf: np.ndarray, op: str = "sum") -> np.ndarray:
-        """In-place reduction of `buf` over the group (op: sum or max)."""
+    def all_reduce(self, buf: np.ndarray, op: str = "sum", wire: np.dtype | None = None) -> np.ndarray:
+        """In-place reduction of `buf` over the group (op: sum or max; a sum may travel
+        and add in a `wire` format)."""
         if self.size > 1:
             from mpi4py import MPI
-            self._timed("all_reduce", 2 * (self.size - 1) / self.size * buf.nbytes,
-                        lambda: self.mpi.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX if op == "max" else MPI.SUM))
+            packed, unpack = on_wire(buf, wire)
+            mpi_op = MPI.MAX if op == "max" else sum_op(packed, buf, wire)
+            self._timed("all_reduce", 2 * (self.size - 1) / self.size * packed.nbytes,
+                        lambda: self.mpi.Allreduce(MPI.IN_PLACE, packed, op=mpi_op))
+            unpack()
         return buf
 
-    def iall_reduce(self, buf: np.ndarray) -> Pending:
+    def iall_reduce(self, buf: np.ndarray, wire: np.dtype | None = None) -> Pending:
         """Start an in-place sum of `buf` over the group; `wait` before reading it."""
         if self.size == 1:
             return Pending(None, "")
         from mpi4py import MPI
+        packed, unpack = on_wire(buf, wire)
         collective = f"{self.name}.all_reduce"
-        self.stats.add(collective, 2 * (self.size - 1) / self.size * buf.nbytes)
-        return Pending(self.mpi.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), collective)
+        self.stats.add(collective, 2 * (self.size - 1) / self.size * packed.nbytes)
+        return Pending(self.mpi.Iallreduce(MPI.IN_PLACE, packed, op=sum_op(packed, buf, wire)), collective, unpack)
 
     def wait(self, pending: Pending) -> None:
         if not pending.done:
@@ -115,6 +129,9 @@ class Comm:
             self._watched(pending.collective, pending.request.Wait)
             pending.done = True
             self.stats.seconds[pending.collective] += time.perf_counter() - start
+        if pending.then is not None:
+            pending.then, then = None, pending.then
+            then()
 
     def test(self, pending: list[Pending]) -> None:
         """MPI progresses a non-blocking collective only inside MPI calls: a cheap
@@ -123,17 +140,20 @@ class Comm:
             if not p.done:
                 p.done = p.request.Test()
 
-    def reduce_scatter(self, full: np.ndarray, shard: np.ndarray) -> np.ndarray:
+    def reduce_scatter(self, full: np.ndarray, shard: np.ndarray, wire: np.dtype | None = None) -> np.ndarray:
         """Sum `full` over the group; this rank receives its 1/n slice into `shard`."""
         if self.size > 1:
-            from mpi4py import MPI
-            self._timed("reduce_scatter", (self.size - 1) / self.size * full.nbytes,
-                        lambda: self.mpi.Reduce_scatter_block(full, shard, op=MPI.SUM))
+            packed, _ = on_wire(full, wire)
+            received, unpack = on_wire(shard, wire)
+            self._timed("reduce_scatter", (self.size - 1) / self.size * packed.nbytes,
+                        lambda: self.mpi.Reduce_scatter_block(packed, received, op=sum_op(packed, full, wire)))
+            unpack()
         else:
             shard[...] = full
         return shard
 
-    def ireduce_scatter(self, full: np.ndarray, mine: np.ndarray, counts: list[int]) -> Pending:
+    def ireduce_scatter(self, full: np.ndarray, mine: np.ndarray, counts: list[int],
+                        wire: np.dtype | None = None) -> Pending:
         """Start summing `full` over the group; rank r receives the r-th piece (pieces of
         `counts` elements, in rank order) into `mine`. Uneven pieces: ZeRO-2/3 cut a bucket
         or a layer where the ranks' 1/n slices of the whole stage fall, so a rank may own
@@ -141,28 +161,35 @@ class Comm:
         if self.size == 1:
             mine[...] = full
             return Pending(None, "")
-        from mpi4py import MPI
+        packed, _ = on_wire(full, wire)
+        received, unpack = on_wire(mine, wire)
         collective = f"{self.name}.reduce_scatter"
-        self.stats.add(collective, full.nbytes - mine.nbytes)
-        return Pending(self.mpi.Ireduce_scatter(full, mine, counts, op=MPI.SUM), collective)
+        self.stats.add(collective, packed.nbytes - received.nbytes)
+        return Pending(self.mpi.Ireduce_scatter(packed, received, counts, op=sum_op(packed, full, wire)),
+                       collective, unpack)
 
-    def iall_gather(self, mine: np.ndarray, full: np.ndarray, counts: list[int]) -> Pending:
+    def iall_gather(self, mine: np.ndarray, full: np.ndarray, counts: list[int],
+                    wire: np.dtype | None = None) -> Pending:
         """Start filling `full` with every rank's piece (`counts` elements each, in rank
         order; this rank sends `mine`). Counted as the bytes this rank receives."""
         if self.size == 1:
             full[...] = mine
             return Pending(None, "")
         displacements = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+        sent, _ = on_wire(mine, wire)
+        received, unpack = on_wire(full, wire)
         collective = f"{self.name}.all_gather"
-        self.stats.add(collective, full.nbytes - mine.nbytes)
-        return Pending(self.mpi.Iallgatherv(mine, [full, (list(counts), displacements)]), collective)
+        self.stats.add(collective, received.nbytes - sent.nbytes)
+        return Pending(self.mpi.Iallgatherv(sent, [received, (list(counts), displacements)]), collective, unpack)
 
-    def all_gather(self, full: np.ndarray) -> np.ndarray:
+    def all_gather(self, full: np.ndarray, wire: np.dtype | None = None) -> np.ndarray:
         """In place: rank r's slice r of `full` is filled in on every rank."""
         if self.size > 1:
             from mpi4py import MPI
-            self._timed("all_gather", (self.size - 1) / self.size * full.nbytes,
-                        lambda: self.mpi.Allgather(MPI.IN_PLACE, full))
+            packed, unpack = on_wire(full, wire)
+            self._timed("all_gather", (self.size - 1) / self.size * packed.nbytes,
+                        lambda: self.mpi.Allgather(MPI.IN_PLACE, packed))
+            unpack()
         return full
 
     def gather(self, shard: np.ndarray, full: np.ndarray | None, root: int = 0):

@@ -22,15 +22,16 @@ import numpy as np
 from numpitron.distributed.sharding import shard_bounds
 
 
-def hierarchical_all_reduce(buf: np.ndarray, inner, outer) -> np.ndarray:
-    """Sum `buf` in place over inner x outer. buf.size must be a multiple of inner.size
-    (pad first: `sharding.pad_to_multiple`), so the host's slices are equal."""
+def hierarchical_all_reduce(buf: np.ndarray, inner, outer, wire=None) -> np.ndarray:
+    """Sum `buf` in place over inner x outer (in a `wire` format if given: comm.py).
+    buf.size must be a multiple of inner.size (pad first: `sharding.pad_to_multiple`),
+    so the host's slices are equal."""
     lo, hi = shard_bounds(buf.size, inner.size, inner.rank)
     piece = np.empty(hi - lo, buf.dtype)
-    inner.reduce_scatter(buf, piece)         # 1. the host's sum of slice `inner.rank`
-    outer.all_reduce(piece)                  # 2. summed over the hosts: the whole sum of the slice
+    inner.reduce_scatter(buf, piece, wire)   # 1. the host's sum of slice `inner.rank`
+    outer.all_reduce(piece, wire=wire)       # 2. summed over the hosts: the whole sum of the slice
     buf[lo:hi] = piece
-    return inner.all_gather(buf)             # 3. every slice back on every rank of the host
+    return inner.all_gather(buf, wire)       # 3. every slice back on every rank of the host
 
 
 def hierarchical_bytes(nbytes: float, q: int, h: int) -> dict:

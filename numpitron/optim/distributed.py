@@ -33,7 +33,7 @@ from numpitron.distributed.comm import Comm
 from numpitron.nn.residency import AlwaysResident
 from numpitron.optim.adamw import AdamW
 from numpitron.optim.master_weights import MasterWeightAdam
-from numpitron.precision import FORMATS
+from numpitron.precision import FORMATS, wires
 
 
 class GradientGroup(NamedTuple):
@@ -75,6 +75,8 @@ class DistributedOptimizer:
         if self.precision.mixed:
             self.adam = MasterWeightAdam(self.adam, store.data[lo:hi], self.precision)
             self.precision.round_(store.data)
+        # What the gradients and the parameters travel in over dp (Comm's `wire`).
+        self.grad_wire, self.param_wire = wires(self.precision, getattr(train_cfg, "grad_reduce_dtype", "fp32"))
         self.state = None           # a TrainingState, set by each implementation
 
     def use_rule(self, rule) -> None:
@@ -91,6 +93,12 @@ class DistributedOptimizer:
     def kept_grads(self) -> list[np.ndarray]:
         """The gradient buffers this rank keeps between steps."""
         return [] if self.store.grad is None else [self.store.grad]
+
+    def low_grads(self, grads: np.ndarray) -> np.ndarray:
+        """Gradients about to be reduced over dp, in the low format: a mixed run's backward
+        produces them in it (Micikevicius et al. 2018, §3), whatever they are summed in."""
+        self.precision.round_(grads)
+        return grads
 
     def reduced_grads(self) -> np.ndarray:
         """After reduce_grads: the averaged gradients this rank's update reads."""

@@ -8,7 +8,7 @@ copy it accumulates until it shows.
 `MasterWeightAdam` has AdamW's interface, so every optimizer (ZeRO 0 to 3) keeps its
 update unchanged: it hands over the slice of the low-format parameters it owns, and the
 master copy of that slice is what Adam moves. `step_mixed` is `step_together` with the
-gradients rounded to the low format, unscaled, and checked for overflow.
+reduced gradients in the low format, unscaled, and checked for overflow.
 """
 
 import math
@@ -56,12 +56,14 @@ class MasterWeightAdam:
 
 
 def step_mixed(optimizers, lr: float, scaler) -> float:
-    """`optim.distributed.step_together` for a mixed-precision run. The reduced gradients
-    are rounded to the low format (fp16: inf where the scaled value overflowed), divided
-    by the loss scale in fp32, and the global norm is taken. A non-finite norm, the same
-    on every rank since every rank summed the same squares, skips the update: the scaler
-    halves its scale and the parameters and moments stay as they were. Returns the norm
-    of the unscaled gradients."""
+    """`optim.distributed.step_together` for a mixed-precision run. Each optimizer's
+    reduction rounds its gradients to the low format before summing them over dp
+    (`low_grads`), in the low format or in fp32 (--grad-reduce-dtype); the mean lands in
+    the low-format gradient buffer (rounded here: fp16 gives inf where it overflowed),
+    is divided by the loss scale in fp32, and the global norm is taken. A non-finite
+    norm, the same on every rank since every rank summed the same squares, skips the
+    update: the scaler halves its scale and the parameters and moments stay as they
+    were. Returns the norm of the unscaled gradients."""
     for optimizer in optimizers:
         optimizer.reduce_grads()
         grads = optimizer.reduced_grads()

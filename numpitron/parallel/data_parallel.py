@@ -22,11 +22,10 @@ from numpitron.optim.training_state import TrainingState
 
 class GradientBuckets:
     """`start(lo, hi)` begins the non-blocking reduction of grad[lo:hi] over the group
-    and returns its Pending: an all-reduce here, a reduce-scatter under ZeRO-2."""
+    and returns its Pending: an all-reduce under plain dp, a reduce-scatter under ZeRO-2."""
 
-    def __init__(self, store, dp_comm, bucket_size: int, overlap: bool = True, start=None):
-        self.store, self.dp, self.overlap = store, dp_comm, overlap
-        self.start = start or (lambda lo, hi: dp_comm.iall_reduce(store.grad[lo:hi]))
+    def __init__(self, store, dp_comm, bucket_size: int, overlap: bool, start):
+        self.store, self.dp, self.overlap, self.start = store, dp_comm, overlap, start
         self.buckets = []                 # [lo, hi) of the flat buffer, last first
         names, hi = [], store.size        # the padding, if any, rides in the first bucket
         for p in reversed(store.params):
@@ -67,7 +66,11 @@ class DataParallelOptimizer(DistributedOptimizer):
         super().__init__(store, topo, train_cfg, 0, store.size, group)
         self.state = TrainingState(store, self.group.comm, self.adam, 0, store.data)
         self.buckets = GradientBuckets(store, self.group.comm, parallel_cfg.bucket_size,
-                                       parallel_cfg.overlap_grad_reduce)
+                                       parallel_cfg.overlap_grad_reduce, start=self.all_reduce_bucket)
+
+    def all_reduce_bucket(self, lo: int, hi: int):
+        """Start summing grad[lo:hi] over dp, in the low format or fp32 (docs/18-numbers.md)."""
+        return self.group.comm.iall_reduce(self.low_grads(self.store.grad[lo:hi]), self.grad_wire)
 
     def grads_ready(self, params) -> None:
         self.buckets.ready(params)
@@ -100,5 +103,6 @@ class HierarchicalDataParallelOptimizer(DataParallelOptimizer):
         super().__init__(store, topo, train_cfg, replace(parallel_cfg, overlap_grad_reduce=False), group)
 
     def reduce_grads(self) -> None:
-        hierarchical_all_reduce(self.store.grad, self.group.shard_comm, self.group.copies_comm)
+        hierarchical_all_reduce(self.low_grads(self.store.grad), self.group.shard_comm, self.group.copies_comm,
+                                self.grad_wire)
         self.store.grad *= 1.0 / self.group.batch_ranks

@@ -57,11 +57,11 @@ class OwnedSlice:
         return (pieces_of_range(lo, hi, self.size, self.comm.size),
                 piece_in_slice(lo, hi, self.size, self.comm.size, self.comm.rank))
 
-    def average(self) -> None:
+    def average(self, wire=None) -> None:
         """The slice, summed over the shard group, summed over the replicas too (the
-        one collective of a step that crosses hosts under HSDP), then the mean over
-        the global batch."""
-        self.group.copies_comm.all_reduce(self.grads)
+        one collective of a step that crosses hosts under HSDP; in `wire`, the
+        gradients' format), then the mean over the global batch."""
+        self.group.copies_comm.all_reduce(self.grads, wire=wire)
         self.grads *= 1.0 / self.group.batch_ranks
 
     def grad_sumsq(self) -> float:
@@ -95,15 +95,15 @@ class ZeroOneOptimizer(DistributedOptimizer):
         return self.owned.grads
 
     def reduce_grads(self) -> None:
-        self.group.shard_comm.reduce_scatter(self.store.grad, self.owned.grads)    # 1.
-        self.owned.average()
+        self.group.shard_comm.reduce_scatter(self.low_grads(self.store.grad), self.owned.grads, self.grad_wire)  # 1.
+        self.owned.average(self.grad_wire)
 
     def grad_sumsq(self) -> float:
         return self.owned.grad_sumsq()                                       # 2.
 
     def update(self, lr: float, norm: float) -> None:
         self.owned.update(self.adam, self.store.data[self.lo:self.hi], lr, norm, self.train_cfg.grad_clip)  # 3.
-        self.group.shard_comm.all_gather(self.store.data)                    # 4.
+        self.group.shard_comm.all_gather(self.store.data, self.param_wire)   # 4.
 
 
 class ZeroTwoOptimizer(ZeroOneOptimizer):
@@ -127,7 +127,8 @@ class ZeroTwoOptimizer(ZeroOneOptimizer):
     def reduce_scatter_bucket(self, lo: int, hi: int):
         """Start summing grad[lo:hi] over the shard group; this rank keeps the part in its slice."""
         counts, mine = self.owned.split(lo, hi)
-        return self.group.shard_comm.ireduce_scatter(self.store.grad[lo:hi], self.owned.grads[mine], counts)
+        return self.group.shard_comm.ireduce_scatter(self.low_grads(self.store.grad[lo:hi]), self.owned.grads[mine],
+                                                     counts, self.grad_wire)
 
     def zero_grad(self) -> None:
         self.store.allocate_grads()
@@ -141,4 +142,4 @@ class ZeroTwoOptimizer(ZeroOneOptimizer):
     def reduce_grads(self) -> None:
         self.buckets.finish()                   # 1. the reduce-scatters the backward started
         self.store.free_grads()
-        self.owned.average()
+        self.owned.average(self.grad_wire)

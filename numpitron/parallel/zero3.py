@@ -101,7 +101,7 @@ class ZeroThreeOptimizer(DistributedOptimizer):
 
     def reduce_grads(self) -> None:
         self.gatherer.finish_backward()        # the root's reduce-scatter, the last blocks'
-        self.owned.average()                   # over the replicas (HSDP), and the mean
+        self.owned.average(self.grad_wire)     # over the replicas (HSDP), and the mean
 
     def grad_sumsq(self) -> float:
         return self.owned.grad_sumsq()
@@ -165,7 +165,7 @@ class LayerGatherer:
         for a, b in self.units[unit].ranges:
             counts, mine = self.opt.owned.split(a, b)
             buffers.append(np.empty(b - a, self.store.dtype))
-            pending.append(self.dp.iall_gather(self.opt.param_shard[mine], buffers[-1], counts))
+            pending.append(self.dp.iall_gather(self.opt.param_shard[mine], buffers[-1], counts, self.opt.param_wire))
         self.params[unit] = (buffers, pending)
 
     def _prefetch(self, index: int) -> None:
@@ -216,7 +216,8 @@ class LayerGatherer:
         for buffer, (a, b) in zip(buffers, unit.ranges):
             counts, mine = self.opt.owned.split(a, b)
             piece = np.empty(counts[self.dp.rank], self.store.dtype)
-            self.reducing.append((self.dp.ireduce_scatter(buffer, piece, counts), piece, mine, buffer))
+            pending = self.dp.ireduce_scatter(self.opt.low_grads(buffer), piece, counts, self.opt.grad_wire)
+            self.reducing.append((pending, piece, mine, buffer))
         for p in unit.params:
             p.grad = None
         return len(buffers)
