@@ -18,6 +18,7 @@ from numpitron.checkpoint.sharded import ShardedReader, cut_range
 from numpitron.config import ModelConfig
 from numpitron.distributed.agree import on_every_rank
 from numpitron.errors import UserError
+from numpitron.precision import saved_loss_scaler
 
 
 def latest_checkpoint(root) -> Path | None:
@@ -95,6 +96,7 @@ def _load_training_state(path: Path, trainer) -> dict:
     reader = open_reader(path, manifest)
     model = trainer.model
     bias = saved_routing_bias(manifest, model, path)
+    scaler = saved_loss_scaler(manifest.get("loss_scaler"), str(path))
     # Everything is read into fresh buffers first: a failure leaves the trainer untouched.
     # Each store (the dense parameters, the experts: asked for by global index, whatever
     # ep) gets the ranges its optimizer keeps.
@@ -104,6 +106,7 @@ def _load_training_state(path: Path, trainer) -> dict:
     for optimizer, values in zip(trainer.optimizers, wanted):
         optimizer.state.load(lambda buffer, lo, hi, values=values: values[buffer, lo, hi], manifest["adam_step"])
     model.routing_bias[...] = bias
+    trainer.scaler.restore(scaler)
     trainer.iteration = manifest["iteration"]
     best = manifest.get("best_val_loss")
     trainer.best_val_loss = math.inf if best is None else float(best)
