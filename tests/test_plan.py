@@ -9,15 +9,18 @@ from numpitron.plan.accounting import Rank, comm_bytes, peak_activation_bytes, s
 from tests.harness import assert_on_every_rank, make_trainer, tiny_model, tiny_tokens, tiny_train
 
 
-def measured_and_planned(n_layers=4, global_batch_size=8, **layout):
-    trainer = make_trainer(tiny_model(n_layers=n_layers), tiny_train(global_batch_size=global_batch_size), **layout)
+def measured_and_planned(n_layers=4, global_batch_size=8, dtype="float64", mixed=None, **layout):
+    """mixed: TrainConfig fields of a mixed-precision run (precision, grad_reduce_dtype)."""
+    trainer = make_trainer(tiny_model(dtype, n_layers=n_layers),
+                           tiny_train(global_batch_size=global_batch_size, **(mixed or {})), **layout)
     topo, model_cfg = trainer.topo, trainer.model_cfg
     topo.stats.reset()
     trainer.train_step(tiny_tokens())
     rank = Rank.of(topo, trainer.parallel_cfg)
     assert rank.placement == trainer.model.placement        # the planner places the stages as the model does
     return {
-        "memory": (memory_bytes(trainer.optimizer), state_bytes(model_cfg, trainer.parallel_cfg, rank)),
+        "memory": (memory_bytes(trainer.optimizer), state_bytes(model_cfg, trainer.parallel_cfg, rank,
+                                                                trainer.train_cfg.optimizer, trainer.train_cfg.precision)),
         "comm": ({k: v["bytes"] for k, v in topo.stats.snapshot().items()},
                  comm_bytes(model_cfg, trainer.parallel_cfg, trainer.train_cfg, rank)),
         "activations": (trainer.last_pipeline_stats.peak_activation_bytes,
@@ -65,6 +68,22 @@ def test_planned_memory_bytes_and_activations_equal_one_process_counts():
 @pytest.mark.parametrize("layout", LAYOUTS_2[1:], ids=name)
 def test_planned_memory_bytes_and_activations_equal_two_ranks_counts(layout):
     assert_on_every_rank(measured_and_planned(**layout))
+
+
+# Mixed precision (docs/18-numbers.md): 2 + 2 + 12 bytes a parameter, parameters gathered
+# at 2 bytes, gradients summed at 2 or 4; each ZeRO stage once, both formats and both
+# reduce dtypes among them.
+MIXED_2 = [dict(data=2, mixed=dict(precision="bf16", grad_reduce_dtype="param")),
+           dict(data=2, zero_stage=1, mixed=dict(precision="bf16")),
+           dict(data=2, zero_stage=2, mixed=dict(precision="fp16", grad_reduce_dtype="param")),
+           dict(data=2, zero_stage=3, mixed=dict(precision="bf16", grad_reduce_dtype="param")),
+           dict(data=2, zero_stage=3, overlap_grad_reduce=False, mixed=dict(precision="fp16"))]
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_planned_memory_and_bytes_of_mixed_precision_runs_equal_their_counts():
+    assert_on_every_rank({f"{i} {key}": value for i, layout in enumerate(MIXED_2)
+                          for key, value in measured_and_planned(dtype="float32", **layout).items()})
 
 
 @pytest.mark.parallel(nprocs=4)

@@ -21,6 +21,7 @@ from numpitron.nn.block import Block
 from numpitron.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from numpitron.nn.head import LanguageModelHead
 from numpitron.optim.muon import is_hidden_matrix
+from numpitron.precision import FORMATS
 from numpitron.parallel.schedules import BACKWARD, FORWARD, WEIGHT_GRAD, make_schedule, placement_of
 
 F64 = 8          # the loss and the squared gradient norm travel as one float64
@@ -176,7 +177,7 @@ def optimizer_state_elements(model, rank: Rank, lo: int, hi: int, optimizer: str
     return 2 * (hi - lo) - (muon_elements(model, rank, lo, hi) if optimizer == "muon" else 0)
 
 
-def state_bytes(model, parallel, rank: Rank, optimizer: str = "adamw") -> dict:
+def state_bytes(model, parallel, rank: Rank, optimizer: str = "adamw", precision: str = "fp32") -> dict:
     """The optimizer's `memory_bytes` on this rank (Rajbhandari et al. 2020, Fig. 1).
     Kept all run: parameters, gradients, Adam's m and v (Muon: one moment on its
     matrices, `optimizer_state_elements`). ZeRO pads the flat buffer to
@@ -187,13 +188,19 @@ def state_bytes(model, parallel, rank: Rank, optimizer: str = "adamw") -> dict:
     Alive only during a pass: the whole gradient buffer (stage 2), the gathered layers
     and their gradients (stage 3: the root, and two blocks, one computing while the
     next is prefetched or the last is reduce-scattered; one without overlap). The peak
-    is the sum."""
-    item, group, stage = model.itemsize, rank.shard_group, parallel.zero_stage
+    is the sum. Mixed precision (docs/18-numbers.md): parameters and gradients in the
+    low format, 2 bytes; the optimizer state 12 bytes an element of its slice, the fp32
+    master weights and both fp32 moments (Muon is fp32 only)."""
+    fmt = FORMATS[precision]
+    group, stage = rank.shard_group, parallel.zero_stage
+    # state_item: bytes per moment element (optimizer_state_elements counts two an element):
+    # mixed, (4 master + 4 m + 4 v) / 2.
+    item, state_item = (fmt.itemsize, 6) if fmt.mixed else (model.itemsize, model.itemsize)
     size = parameter_elements(model, rank)[0]
     if stage == 0:
         size = pad_to_multiple(size, group) if parallel.hierarchical_all_reduce else size
         return {"params": size * item, "grads": size * item,
-                "optimizer_state": optimizer_state_elements(model, rank, 0, size, optimizer) * item,
+                "optimizer_state": optimizer_state_elements(model, rank, 0, size, optimizer) * state_item,
                 "gathered_params_peak": 0, "backward_grads_peak": 0}
     padded = pad_to_multiple(size, group)
     shard, group_rank = padded // group, rank.shard_rank
@@ -203,7 +210,7 @@ def state_bytes(model, parallel, rank: Rank, optimizer: str = "adamw") -> dict:
     return {"params": (shard if stage == 3 else padded) * item,
             "grads": (shard + (padded if stage == 1 else 0)) * item,
             "optimizer_state": optimizer_state_elements(model, rank, group_rank * shard, (group_rank + 1) * shard,
-                                                        optimizer) * item,
+                                                        optimizer) * state_item,
             "gathered_params_peak": in_pass * item if stage == 3 else 0,
             "backward_grads_peak": {1: 0, 2: padded, 3: in_pass}[stage] * item}
 
@@ -237,8 +244,14 @@ def peak_activation_bytes(model, parallel, train, rank: Rank) -> int:
 
 
 def comm_bytes(model, parallel, train, rank: Rank) -> dict:
-    """{"<group>.<kind>": bytes} this rank moves in one training iteration."""
+    """{"<group>.<kind>": bytes} this rank moves in one training iteration. Mixed precision
+    (docs/18-numbers.md): dp gathers parameters in the low format, 2 bytes an element,
+    and sums gradients in it or in fp32 (--grad-reduce-dtype: `grad_item`); activations
+    travel as the float32 arrays that hold them here."""
     item, tp, cp, pp = model.itemsize, rank.tp, rank.cp, rank.pp
+    fmt = FORMATS[getattr(train, "precision", "fp32")]
+    param_item = fmt.itemsize if fmt.mixed else item
+    grad_item = param_item if getattr(train, "grad_reduce_dtype", "fp32") == "param" else item
     m, B, C, L = train.num_microbatches(rank.dp), train.micro_batch_size, model.d_model, model.n_layers // pp
     # L: blocks on this rank, all its chunks together
     T = model.seq_len // cp
@@ -275,16 +288,16 @@ def comm_bytes(model, parallel, train, rank: Rank) -> dict:
     elements, group, replicas = parameter_elements(model, rank)[0], rank.shard_group, rank.replicas
     padded, sharded = pad_to_multiple(elements, group), parallel.zero_stage or parallel.hierarchical_all_reduce
     if parallel.zero_stage == 0 and not parallel.hierarchical_all_reduce:
-        add("dp_cp.all_reduce", _all_reduce(elements * item, rank.dp * cp))
+        add("dp_cp.all_reduce", _all_reduce(elements * grad_item, rank.dp * cp))
     elif parallel.zero_stage in (0, 1, 2):          # the two halves of one all-reduce inside the shard group
-        add("dp_shard.reduce_scatter", _half(padded * item, group))
-        add("dp_shard.all_gather", _half(padded * item, group))
+        add("dp_shard.reduce_scatter", _half(padded * grad_item, group))
+        add("dp_shard.all_gather", _half(padded * (param_item if parallel.zero_stage else grad_item), group))
     else:
         gathered, scattered = _zero3_elements_moved(model, rank, m, padded)
-        add("dp_shard.all_gather", gathered * item)
-        add("dp_shard.reduce_scatter", scattered * item)
+        add("dp_shard.all_gather", gathered * param_item)
+        add("dp_shard.reduce_scatter", scattered * grad_item)
     if sharded:                                     # each slice averaged over its replicas (HSDP)
-        add("dp_replica.all_reduce", _all_reduce(padded // group * item, replicas))
+        add("dp_replica.all_reduce", _all_reduce(padded // group * grad_item, replicas))
     add("dp_cp.all_reduce", _all_reduce(F64, rank.dp * cp))          # the loss
     if parallel.zero_stage >= 1:                    # the norm over one replica's ranks
         add("dp_shard_model.all_reduce", _all_reduce(F64, tp * cp * pp * rank.dp // replicas))

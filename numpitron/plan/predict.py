@@ -40,6 +40,7 @@ from numpitron.distributed.sharding import pad_to_multiple
 from numpitron.parallel.schedules import ideal_bubble, placement_of
 from numpitron.plan.accounting import Rank, comm_bytes, parameter_elements, peak_activation_bytes, state_bytes
 from numpitron.plan.flops import hardware_flops, model_flops
+from numpitron.precision import FORMATS
 from numpitron.plan.kernels import Work, block_work, embedding_work, head_work, optimizer_work
 
 
@@ -53,7 +54,9 @@ def plan(model, parallel, train, mesh, device) -> dict:
     args = (global_batch, model.seq_len, model.n_layers, model.d_model, model.vocab_size)
     # A mixed-precision device keeps activations and moves them in 16 bits: scale this
     # library's float32 accounting to it.
-    scale = 0.5 if device.bytes_per_parameter else 1.0
+    # A run in --precision bf16 / fp16 is counted as it runs (plan/accounting.py), not on paper.
+    on_paper = device.bytes_per_parameter and not FORMATS[train.precision].mixed
+    scale = 0.5 if on_paper else 1.0
     itemsize = scale * model.itemsize
     share = device.time_sharing(devices)
     stretch = share * device.pace(devices)       # time-sharing, and the pace of the slowest rank
@@ -62,8 +65,8 @@ def plan(model, parallel, train, mesh, device) -> dict:
     placement = placement_of(parallel.schedule, pp, parallel.virtual_stages)
     for stage in range(pp):
         rank = Rank(tp, pp, dp, cp, stage, cp_rank=cp - 1, dp_shard=S, placement=placement)   # the ring's busiest rank
-        state = state_bytes(model, parallel, rank)
-        if device.bytes_per_parameter:                            # mixed precision on paper
+        state = state_bytes(model, parallel, rank, train.optimizer, train.precision)
+        if on_paper:                                              # mixed precision on paper
             params = state["params"] // model.itemsize
             in_pass = {k: state[k] // model.itemsize * 2
                        for k in ("gathered_params_peak", "backward_grads_peak")}
