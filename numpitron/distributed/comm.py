@@ -14,8 +14,8 @@ it against the formula for each parallel strategy:
 A reduction or gather may travel in a `wire` format MPI does not know (bf16, fp16 of a
 mixed-precision run, docs/18-numbers.md): the buffer is cast to it, moved as 2-byte
 integers (so the bytes counted are the format's), summed by `low_format_sum` (each
-addition in fp32, rounded back to the format, as NCCL adds bf16 at every hop of its
-ring), and cast back into the buffer when the call completes (distributed/wire.py).
+addition in fp32, rounded back to the format, as a 16-bit add on a device gives), and
+cast back into the buffer when the call completes (distributed/wire.py).
 
 Each call also adds its seconds (for non-blocking calls: the seconds spent waiting).
 On a communicator of size 1 every collective is a no-op that counts nothing, so a
