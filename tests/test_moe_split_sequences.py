@@ -12,7 +12,8 @@ from mpi4py import MPI
 from numpitron.distributed.topology import Topology
 from numpitron.distributed.zigzag import local_positions
 from numpitron.nn.moe import MixtureOfExperts
-from tests.harness import assert_on_every_rank, check_mesh, identical_over, make_store, mesh_id, rand_x
+from tests.harness import (assert_on_every_rank, check_mesh, identical_over, make_store, mesh_id, moe_layer_traffic,
+                           rand_x)
 
 MOE = dict(num_experts=4, moe_top_k=2)
 DROPPING = dict(moe_capacity_factor=1.0)
@@ -80,14 +81,7 @@ def test_all_to_all_bytes_on_context_parallel_ranks():
     make_store(layer.parameters())
     whole = rand_x((B, T, C))                                   # the same sequences on both ranks
     x = np.ascontiguousarray(whole[:, local_positions(T, 2, topo.cp_rank)])
-    routing = layer.router.forward(x)[0]
-    kept_per_expert = np.bincount(routing.chosen[routing.kept], minlength=E)
-    everyone = np.array(MPI.COMM_WORLD.allgather(kept_per_expert))     # (rank, expert)
-    mine, other = slice(2 * topo.ep_rank, 2 * topo.ep_rank + 2), slice(2 - 2 * topo.ep_rank, 4 - 2 * topo.ep_rank)
-    sent, received = everyone[topo.rank, other].sum(), everyone[1 - topo.rank, mine].sum()
-    topo.stats.reset()
-    layer.backward(rand_x(x.shape, seed=9), layer.forward(x)[1])
-    snap = topo.stats.snapshot()
+    sent, received, routing, snap = moe_layer_traffic(layer, x, rand_x(x.shape, seed=9), E)
     assert_on_every_rank({
         "all_to_allv bytes": (snap["ep.all_to_allv"]["bytes"], 2 * (sent + received) * C * 8),
         "counts exchanged once": (snap["ep.all_to_all"]["bytes"], (2 - 1) / 2 * E * 8),
