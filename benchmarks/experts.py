@@ -3,7 +3,7 @@
     python benchmarks/experts.py throughput              # tokens/s and all-to-all share, 2 and 4 ranks
     python benchmarks/experts.py routing out/metrics.jsonl   # the routing figure from a training run
     python benchmarks/experts.py balance AUX/metrics.jsonl BIAS/metrics.jsonl   # aux loss against bias
-    python benchmarks/experts.py compare [--iters 300]   # trains dense and MoE at equal active parameters
+    python benchmarks/experts.py compare [--iters 300] [--seeds 0 1]   # dense and MoE, equal active parameters
 
 `throughput` runs benchmarks/benchmark.py (the default model, random tokens) for the
 dense model and for E = 4 and 8 experts with top-1 routing (the same active parameters
@@ -105,22 +105,29 @@ COMPARE = {"dense": [],
                                           "--moe-load-balancing", "bias", "--moe-bias-update-rate", "0.001"]}
 
 
-def compare(data_dir: Path, iters: int) -> None:
+def compare(data_dir: Path, iters: int, seeds: list[int]) -> None:
+    """Every run of COMPARE once per seed (the seed draws the initial weights and the
+    batches); the balance figure from the first seed's two runs of 8 experts."""
     import tempfile
-    out = {}
+    val, metrics = {name: [] for name in COMPARE}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, flags in COMPARE.items():
-            run = Path(tmp) / str(len(out))
-            subprocess.run([str(BIN / "python"), "train_shakespeare.py", *SMALL, *flags, "--max-iters", str(iters),
-                            "--eval-interval", str(iters), "--data-dir", str(data_dir), "--out-dir", str(run)],
-                           check=True, cwd=REPO, capture_output=True)
-            rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-            out[name] = {"val_loss": [r["val_loss"] for r in rows if "val_loss" in r][-1], "metrics": run / "metrics.jsonl"}
-            print(json.dumps({"run": name, "val_loss": out[name]["val_loss"]}), flush=True)
+        for seed in seeds:
+            for index, (name, flags) in enumerate(COMPARE.items()):
+                run = Path(tmp) / f"seed{seed}-run{index}"
+                subprocess.run([str(BIN / "python"), "train_shakespeare.py", *SMALL, *flags, "--seed", str(seed),
+                                "--max-iters", str(iters), "--eval-interval", str(iters), "--data-dir", str(data_dir),
+                                "--out-dir", str(run)], check=True, cwd=REPO, capture_output=True)
+                rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+                val[name].append([r["val_loss"] for r in rows if "val_loss" in r][-1])
+                metrics.setdefault(name, run / "metrics.jsonl")
+                print(json.dumps({"run": name, "seed": seed, "val_loss": val[name][-1]}), flush=True)
         names = list(COMPARE)
-        balanced = balance(out[names[2]]["metrics"], out[names[3]]["metrics"])
-    print(json.dumps({"iterations": iters, "val_loss": {k: v["val_loss"] for k, v in out.items()},
-                      "balance": balanced}))
+        balanced = balance(metrics[names[2]], metrics[names[3]])
+    print(f"| run (validation loss after {iters} iterations) | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |")
+    print("| --- |" + " ---: |" * (len(seeds) + 1))
+    for name, losses in val.items():
+        print(f"| {name} | " + " | ".join(f"{v:.4f}" for v in losses) + f" | {np.mean(losses):.4f} |")
+    print(json.dumps({"iterations": iters, "seeds": seeds, "val_loss": val, "balance": balanced}))
 
 
 def balance(aux: Path, bias: Path) -> dict:
@@ -169,13 +176,14 @@ def main():
     c = sub.add_parser("compare")
     c.add_argument("--iters", type=int, default=300)
     c.add_argument("--data-dir", type=Path, default=REPO / "data")
+    c.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     args = p.parse_args()
     if args.what == "throughput":
         throughput(args.iters)
     elif args.what == "routing":
         routing(args.metrics)
     elif args.what == "compare":
-        compare(args.data_dir.resolve(), args.iters)
+        compare(args.data_dir.resolve(), args.iters, args.seeds)
     else:
         balance(args.aux, args.bias)
 

@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from numpitron.checkpoint import load_checkpoint, save_checkpoint
 from numpitron.distributed.topology import Topology
 from numpitron.distributed.zigzag import local_positions
 from numpitron.nn.moe import MixtureOfExperts
-from tests.harness import (assert_on_every_rank, check_mesh, identical_over, make_store, mesh_id, moe_layer_traffic,
-                           rand_x)
+from tests.harness import (assert_on_every_rank, check_mesh, identical_over, make_store, make_trainer, mesh_id,
+                           moe_layer_traffic, rand_x, tiny_model, tiny_train, train_steps)
+from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
 MOE = dict(num_experts=4, moe_top_k=2)
 DROPPING = dict(moe_capacity_factor=1.0)
@@ -28,7 +30,7 @@ TWO_RANKS = [
 ]
 FOUR_RANKS = [
     (dict(data=2, context=2, expert=4), DROPPING),                           # ep over dp x cp
-    (dict(data=2, context=2, expert=2), BIAS),                                # ep inside, expert_dp of 2
+    (dict(data=2, context=2, expert=2, zero_stage=1), BIAS),                  # expert_dp of 2, ZeRO-1
     (dict(pipeline=2, context=2, expert=2, schedule="1f1b"), DROPPING),
     (dict(tensor=2, data=2, expert=2, sequence_parallel=True), DROPPING),     # ep x sp
     (dict(pipeline=2, tensor=2, sequence_parallel=True, schedule="1f1b"), BIAS),
@@ -91,3 +93,20 @@ def test_all_to_all_bytes_on_context_parallel_ranks():
                                                  and sent > 0, True),
         "only ep and cp talk": (sorted(snap), ["cp.all_gather", "cp.all_reduce", "ep.all_to_all", "ep.all_to_allv"]),
     })
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_a_checkpoint_from_cp_and_ep_resumes_on_sp(shared_dir):
+    """Saved on cp = ep = 2 (ZeRO-1, bias balancing, dropping), resumed on tp = 2 with sp:
+    the experts by global index, the bias from the manifest, and the run goes on like an
+    uninterrupted one process."""
+    model_cfg, train_cfg = tiny_model(n_layers=2, n_heads=2, **MOE, **DROPPING, **BIAS), tiny_train()
+    tokens = np.random.default_rng(0).integers(0, 65, 5000).astype(np.uint16)
+    expected = train_steps(make_trainer(model_cfg, train_cfg, Topology.serial()), 6, tokens)
+    source = make_trainer(model_cfg, train_cfg, context=2, expert=2, zero_stage=1)
+    assert rel_diff(train_steps(source, 3, tokens), expected[:3]) <= EQUIV_RTOL_FLOAT64
+    path = save_checkpoint(shared_dir / "from-cp-ep", source)
+    resumed = make_trainer(model_cfg, train_cfg, tensor=2, sequence_parallel=True)
+    load_checkpoint(path, resumed)
+    assert np.array_equal(resumed.model.routing_bias, source.model.routing_bias)
+    assert rel_diff(train_steps(resumed, 3, tokens), expected[3:]) <= EQUIV_RTOL_FLOAT64
