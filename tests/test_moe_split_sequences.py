@@ -35,6 +35,7 @@ FOUR_RANKS = [
     (dict(tensor=2, data=2, expert=2, sequence_parallel=True), DROPPING),     # ep x sp
     (dict(pipeline=2, tensor=2, sequence_parallel=True, schedule="1f1b"), BIAS),
     (dict(tensor=2, context=2, expert=2, sequence_parallel=True), DROPPING),  # sp x cp x ep
+    (dict(context=4, expert=4, context_parallel_type="hybrid", ulysses_size=2), DROPPING),
 ]
 
 
