@@ -76,8 +76,9 @@ class MixtureOfExperts(Layer):
                  block: int = 0, log: RoutingLog | None = None, balance_bias: np.ndarray | None = None,
                  shared_experts: int = 0, expert_hidden: int = 0, region=None):
         """balance_bias: the router's (E,) bias (nn/router.py), None with the aux loss;
-        expert_hidden: every expert's hidden width (0: 4C); region: the shared experts'
-        tp region (the dense MLP's)."""
+        expert_hidden: every expert's hidden width (0: 4C); region: the block's tp region
+        (the dense MLP's: under sp the layer gathers its input along the sequence with it,
+        and the shared experts use it as the dense MLP does)."""
         self.region = region or ReplicatedRegion(topo.tp_comm)
         self.router = TopKRouter(f"{name}.router", d_model, num_experts, top_k, capacity_factor, aux_loss_coef,
                                  loss_weight, balance_bias, topo.cp_comm, self.region)
