@@ -46,9 +46,6 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
         if parallel.schedule in SPLIT_BACKWARD:
             raise UserError(f"--zero-stage 3 gathers a layer's parameters around its whole backward, and the "
                             f"{parallel.schedule} schedule splits that backward into two passes; use another schedule")
-        if model.num_experts:
-            raise UserError("--zero-stage 3 gathers each block's parameters from one flat buffer, and experts live "
-                            "in a second one that only their own ranks hold; use --zero-stage 2 with --num-experts")
     if model.n_heads % tensor:
         raise UserError(f"n_heads ({model.n_heads}) must be divisible by the tensor-parallel size ({tensor})")
     if parallel is not None:

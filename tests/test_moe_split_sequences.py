@@ -1,7 +1,7 @@
 """Experts on split sequences: context parallelism (a rank holds T/cp of each sequence,
 the ep group carved out of dp x cp) and sequence parallelism (a tp rank holds T/tp)
 train exactly like one process (float64, rtol 1e-10, 10 iterations), with dropping,
-with the aux loss and with bias balancing; pairwise with tp, pp and dp. The capacity's
+with the aux loss and with bias balancing; pairwise with tp, pp, dp and ZeRO-3. The capacity's
 queue, the aux loss and the load are those of the whole sequence; the all-to-alls carry
 each rank's own tokens."""
 
@@ -27,6 +27,7 @@ TWO_RANKS = [
     (dict(context=2, context_parallel_type="ulysses"), dict(moe_shared_experts=1, **DROPPING)),
     (dict(tensor=2, sequence_parallel=True), DROPPING),                       # sp, aux loss
     (dict(tensor=2, sequence_parallel=True), dict(moe_shared_experts=1, **BIAS)),
+    (dict(data=2, expert=2, zero_stage=3), DROPPING),                        # ZeRO-3: the experts at stage 2
 ]
 FOUR_RANKS = [
     (dict(data=2, context=2, expert=4), DROPPING),                           # ep over dp x cp
@@ -36,6 +37,7 @@ FOUR_RANKS = [
     (dict(pipeline=2, tensor=2, sequence_parallel=True, schedule="1f1b"), BIAS),
     (dict(tensor=2, context=2, expert=2, sequence_parallel=True), DROPPING),  # sp x cp x ep
     (dict(context=4, expert=4, context_parallel_type="hybrid", ulysses_size=2), DROPPING),
+    (dict(tensor=2, context=2, expert=2, zero_stage=3), BIAS),
 ]
 
 
@@ -98,13 +100,13 @@ def test_all_to_all_bytes_on_context_parallel_ranks():
 
 @pytest.mark.parallel(nprocs=2)
 def test_a_checkpoint_from_cp_and_ep_resumes_on_sp(shared_dir):
-    """Saved on cp = ep = 2 (ZeRO-1, bias balancing, dropping), resumed on tp = 2 with sp:
+    """Saved on cp = ep = 2 (ZeRO-3, bias balancing, dropping), resumed on tp = 2 with sp:
     the experts by global index, the bias from the manifest, and the run goes on like an
     uninterrupted one process."""
     model_cfg, train_cfg = tiny_model(n_layers=2, n_heads=2, **MOE, **DROPPING, **BIAS), tiny_train()
     tokens = np.random.default_rng(0).integers(0, 65, 5000).astype(np.uint16)
     expected = train_steps(make_trainer(model_cfg, train_cfg, Topology.serial()), 6, tokens)
-    source = make_trainer(model_cfg, train_cfg, context=2, expert=2, zero_stage=1)
+    source = make_trainer(model_cfg, train_cfg, context=2, expert=2, zero_stage=3)
     assert rel_diff(train_steps(source, 3, tokens), expected[:3]) <= EQUIV_RTOL_FLOAT64
     path = save_checkpoint(shared_dir / "from-cp-ep", source)
     resumed = make_trainer(model_cfg, train_cfg, tensor=2, sequence_parallel=True)
