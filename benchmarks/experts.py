@@ -3,6 +3,7 @@
     python benchmarks/experts.py throughput              # tokens/s and all-to-all share, 2 and 4 ranks
     python benchmarks/experts.py routing out/metrics.jsonl   # the routing figure from a training run
     python benchmarks/experts.py balance AUX/metrics.jsonl BIAS/metrics.jsonl   # aux loss against bias
+    python benchmarks/experts.py compare [--iters 300] [--seeds 0 1]   # dense and MoE, equal active parameters
 
 `throughput` runs benchmarks/benchmark.py (the default model, random tokens) for the
 dense model and for E = 4 and 8 experts with top-1 routing (the same active parameters
@@ -12,7 +13,11 @@ assignments per expert of every MoE block at each logged iteration, and the drop
 share, into docs/figures/routing.svg (matplotlib). `balance` takes two runs that differ
 only in --moe-load-balancing (aux-loss, then bias) and prints the balance, max load /
 mean load over the experts of each MoE block, as medians over the first and the last
-third of the iterations, and draws it into docs/figures/balance.svg.
+third of the iterations, and draws it into docs/figures/balance.svg. `compare` trains
+the runs of the chapter's two tables on one process, the same tokens and iterations
+(COMPARE: a small model; the MoE runs have the dense model's active parameters per
+token), then runs `balance` on the two runs of 8 half-width experts, prints each run's
+validation loss, and ends with one JSON line of all of it.
 """
 
 import argparse
@@ -90,35 +95,72 @@ def max_over_mean(rows) -> np.ndarray:
     return counts.max(axis=2) / counts.mean(axis=2)
 
 
-def balance(aux: Path, bias: Path) -> None:
+SMALL = ["--n-layers", "2", "--n-heads", "4", "--d-model", "64", "--seq-len", "64", "--micro-batch-size", "8",
+         "--global-batch-size", "8", "--log-interval", "1", "--eval-iters", "20", "--no-progress"]
+# name: flags. Active MLP parameters per token: the dense 4C; k experts of width h, k h = 4C.
+COMPARE = {"dense": [],
+           "E = 4, k = 1, h = 4C, aux loss": ["--num-experts", "4", "--moe-top-k", "1"],
+           "E = 8, k = 2, h = 2C, aux loss": ["--num-experts", "8", "--moe-top-k", "2", "--moe-expert-hidden", "128"],
+           "E = 8, k = 2, h = 2C, bias": ["--num-experts", "8", "--moe-top-k", "2", "--moe-expert-hidden", "128",
+                                          "--moe-load-balancing", "bias", "--moe-bias-update-rate", "0.001"]}
+
+
+def compare(data_dir: Path, iters: int, seeds: list[int]) -> None:
+    """Every run of COMPARE once per seed (the seed draws the initial weights and the
+    batches); the balance figure from the first seed's two runs of 8 experts."""
+    import tempfile
+    val, metrics = {name: [] for name in COMPARE}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in seeds:
+            for index, (name, flags) in enumerate(COMPARE.items()):
+                run = Path(tmp) / f"seed{seed}-run{index}"
+                subprocess.run([str(BIN / "python"), "train_shakespeare.py", *SMALL, *flags, "--seed", str(seed),
+                                "--max-iters", str(iters), "--eval-interval", str(iters), "--data-dir", str(data_dir),
+                                "--out-dir", str(run)], check=True, cwd=REPO, capture_output=True)
+                rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+                val[name].append([r["val_loss"] for r in rows if "val_loss" in r][-1])
+                metrics.setdefault(name, run / "metrics.jsonl")
+                print(json.dumps({"run": name, "seed": seed, "val_loss": val[name][-1]}), flush=True)
+        names = list(COMPARE)
+        balanced = balance(metrics[names[2]], metrics[names[3]])
+    print(f"| run (validation loss after {iters} iterations) | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |")
+    print("| --- |" + " ---: |" * (len(seeds) + 1))
+    for name, losses in val.items():
+        print(f"| {name} | " + " | ".join(f"{v:.4f}" for v in losses) + f" | {np.mean(losses):.4f} |")
+    print(json.dumps({"iterations": iters, "seeds": seeds, "val_loss": val, "balance": balanced}))
+
+
+def balance(aux: Path, bias: Path) -> dict:
     import numpy as np
-    curves = {}
+    curves, summary = {}, {}
     for name, metrics in (("aux loss", aux), ("bias", bias)):
         rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if "moe_tokens_per_expert" in r]
         ratio = max_over_mean(rows)
         third = len(rows) // 3
-        print(json.dumps({"balancing": name, "iterations": len(rows),
-                          "max_over_mean_first_third": float(np.median(ratio[:third])),
-                          "max_over_mean_last_third": float(np.median(ratio[-third:])),
-                          "final_train_loss": rows[-1]["train_loss"] - rows[-1].get("moe_aux_loss", 0.0)}))
+        summary[name] = {"iterations": len(rows), "max_over_mean_first_third": float(np.median(ratio[:third])),
+                         "max_over_mean_last_third": float(np.median(ratio[-third:])),
+                         "final_train_loss": rows[-1]["train_loss"] - rows[-1].get("moe_aux_loss", 0.0)}
+        print(json.dumps({"balancing": name, **summary[name]}))
         curves[name] = ([r["iter"] for r in rows], ratio.mean(axis=1))
     try:
         import matplotlib
     except ImportError:
         print("matplotlib is not installed: no figure", file=sys.stderr)
-        return
+        return summary
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(5, 2.8))
     for name, (iters, ratio) in curves.items():
         ax.plot(iters, ratio, label=name, linewidth=0.8)
     ax.axhline(1.0, color="gray", linewidth=0.5)
+    ax.set_title("busiest expert's load over the mean, per iteration (mean of the MoE blocks)", fontsize=8)
     ax.set_xlabel("iteration", fontsize=8)
     ax.set_ylabel("max load / mean load", fontsize=8)
     ax.tick_params(labelsize=7)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(REPO / "docs" / "figures" / "balance.svg", bbox_inches="tight")
+    return summary
 
 
 def main():
@@ -131,11 +173,17 @@ def main():
     b = sub.add_parser("balance")
     b.add_argument("aux", type=Path)
     b.add_argument("bias", type=Path)
+    c = sub.add_parser("compare")
+    c.add_argument("--iters", type=int, default=300)
+    c.add_argument("--data-dir", type=Path, default=REPO / "data")
+    c.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     args = p.parse_args()
     if args.what == "throughput":
         throughput(args.iters)
     elif args.what == "routing":
         routing(args.metrics)
+    elif args.what == "compare":
+        compare(args.data_dir.resolve(), args.iters, args.seeds)
     else:
         balance(args.aux, args.bias)
 

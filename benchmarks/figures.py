@@ -168,11 +168,18 @@ def routing(data_dir: Path, iters: int) -> dict:
         return run_json(launch(1, "benchmarks/experts.py", ["routing", str(Path(tmp) / "metrics.jsonl")]))
 
 
+def experts_compare(data_dir: Path, iters: int) -> dict:
+    """Dense against MoE at equal active parameters, and aux loss against bias balancing:
+    the validation losses and docs/figures/balance.svg (docs/14)."""
+    return run_json(launch(1, "benchmarks/experts.py", ["compare", "--iters", str(iters), "--data-dir", str(data_dir)]))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", default="data")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", choices=["memory_zero"], help="make this figure alone (figures.json keeps the rest)")
+    p.add_argument("--only", choices=["memory_zero", "experts_compare"],
+                   help="make this figure alone (figures.json keeps the rest)")
     args = p.parse_args()
     import matplotlib
     matplotlib.use("svg")
@@ -180,7 +187,9 @@ def main():
     FIGURES.mkdir(parents=True, exist_ok=True)
     if args.only:
         data = json.loads((FIGURES / "figures.json").read_text())
-        data[args.only] = {"memory_zero": memory}[args.only](plt)
+        make = {"memory_zero": lambda: memory(plt),
+                "experts_compare": lambda: experts_compare(Path(args.data_dir).resolve(), 300)}
+        data[args.only] = make[args.only]()
         (FIGURES / "figures.json").write_text(json.dumps(data, indent=1) + "\n")
         return
     iters = 5 if args.quick else 20
@@ -192,6 +201,7 @@ def main():
                    check=True, cwd=REPO, capture_output=True)
     data["context_parallel_blocks"] = context_parallel_blocks()
     data["routing"] = routing(Path(args.data_dir).resolve(), 200 if args.quick else 2000)
+    data["experts_compare"] = experts_compare(Path(args.data_dir).resolve(), 40 if args.quick else 300)
     (FIGURES / "figures.json").write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {', '.join(sorted(p.name for p in FIGURES.glob('*.svg')))} and figures.json in {FIGURES}")
 

@@ -48,7 +48,7 @@ def add_mesh_flags(p: argparse.ArgumentParser) -> None:
                    help="ranks that split every sequence (ring attention)")
     g.add_argument("--data-parallel-size", type=int, default=None, help="default: world / (tp * cp * pp)")
     g.add_argument("--expert-parallel-size", type=int, default=1,
-                   help="data-parallel ranks that split the experts among them (must divide dp)")
+                   help="data x context parallel ranks that split the experts among them (must divide dp x cp)")
     g.add_argument("--data-parallel-shard-size", type=int, default=None,
                    help="hybrid sharding: dp ranks that shard ZeRO's state, on one host (must divide dp; "
                         "default dp); the dp / S replicas average across hosts")

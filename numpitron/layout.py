@@ -46,9 +46,6 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
         if parallel.schedule in SPLIT_BACKWARD:
             raise UserError(f"--zero-stage 3 gathers a layer's parameters around its whole backward, and the "
                             f"{parallel.schedule} schedule splits that backward into two passes; use another schedule")
-        if model.num_experts:
-            raise UserError("--zero-stage 3 gathers each block's parameters from one flat buffer, and experts live "
-                            "in a second one that only their own ranks hold; use --zero-stage 2 with --num-experts")
     if model.n_heads % tensor:
         raise UserError(f"n_heads ({model.n_heads}) must be divisible by the tensor-parallel size ({tensor})")
     if parallel is not None:
@@ -82,7 +79,7 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
 
 
 def _check_experts(model: ModelConfig, parallel, data: int, context: int, expert: int) -> None:
-    """Expert parallelism splits the experts over ranks carved out of dp (docs/14-experts.md)."""
+    """Expert parallelism splits the experts over ranks carved out of dp x cp (docs/14-experts.md)."""
     if expert < 1:
         raise UserError(f"expert-parallel size must be positive, got {expert}")
     if expert > 1 and not model.num_experts:
@@ -90,15 +87,10 @@ def _check_experts(model: ModelConfig, parallel, data: int, context: int, expert
     if model.num_experts % expert:
         raise UserError(f"--num-experts ({model.num_experts}) must be divisible by the expert-parallel size "
                         f"({expert})")
-    if data % expert:
-        raise UserError(f"the expert-parallel size ({expert}) must divide the data-parallel size ({data}): "
-                        f"the ep group is carved out of the data-parallel ranks")
-    if model.num_experts and context > 1:
-        raise UserError("mixture-of-experts layers route whole sequences: --num-experts does not combine with "
-                        "--context-parallel-size yet")
-    if model.num_experts and parallel is not None and parallel.sequence_parallel:
-        raise UserError("mixture-of-experts layers route whole sequences: --num-experts does not combine with "
-                        "--sequence-parallel yet")
+    if (data * context) % expert:
+        raise UserError(f"the expert-parallel size ({expert}) must divide data x context parallel size ({data} x "
+                        f"{context} = {data * context}): the ep group is carved out of the ranks that hold "
+                        f"different tokens")
 
 
 def _check_ulysses(model: ModelConfig, tensor: int, context: int, parallel: ParallelConfig) -> None:

@@ -215,6 +215,22 @@ def check_layer(layer, x, params=None, seed=0, **context):
         assert_fd(p.name, store.view(grads, p.name), output, R, p.data)
 
 
+def moe_layer_traffic(layer, x, dy, num_experts: int):
+    """One forward and backward of a MoE layer on two ep ranks (ep rank = world rank):
+    (rows this rank sends to the other rank's experts, rows it receives from it, as the
+    router's kept choices imply; the routing; the layer's counted collectives)."""
+    routing = layer.router.forward(x)[0]
+    kept_per_expert = np.bincount(routing.chosen[routing.kept], minlength=num_experts)
+    everyone = np.array(MPI.COMM_WORLD.allgather(kept_per_expert))     # (rank, expert)
+    rank, half = MPI.COMM_WORLD.Get_rank(), num_experts // 2
+    mine, other = slice(half * rank, half * rank + half), slice(half - half * rank, 2 * half - half * rank)
+    sent, received = everyone[rank, other].sum(), everyone[1 - rank, mine].sum()
+    stats = layer.dispatcher.ep.stats
+    stats.reset()
+    layer.backward(dy, layer.forward(x)[1])
+    return sent, received, routing, stats.snapshot()
+
+
 def rand_x(shape=(2, 5, 8), seed=1):
     """A float64 activation, (B, T, C) = (2, 5, 8) unless told."""
     return np.random.default_rng(seed).normal(size=shape)

@@ -7,13 +7,13 @@ import json
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 from numpitron.checkpoint import load_checkpoint, save_checkpoint
 from numpitron.distributed.topology import Topology
 from numpitron.nn.moe import MixtureOfExperts
 from tests.harness import (TINY_FLAGS, assert_on_every_rank, check_mesh, error_lines, identical_over, logged_losses,
-                           make_store, make_trainer, rand_x, run_script, tiny_model, tiny_train, train_steps)
+                           make_store, make_trainer, moe_layer_traffic, rand_x, run_script, tiny_model, tiny_train,
+                           train_steps)
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
 MOE = dict(num_experts=4, moe_top_k=2)
@@ -75,14 +75,7 @@ def test_all_to_all_bytes_match_the_routing():
     layer = MixtureOfExperts("mlp", C, topo, 0.3, num_experts=E, top_k=2, capacity_factor=1.0, aux_loss_coef=0.01)
     make_store(layer.parameters())                       # the router is the same on both ranks
     x = rand_x((B, T, C), seed=topo.rank)
-    routing = layer.router.forward(x)[0]
-    kept_per_expert = np.bincount(routing.chosen[routing.kept], minlength=E)
-    everyone = np.array(MPI.COMM_WORLD.allgather(kept_per_expert))     # (rank, expert)
-    mine, other = slice(2 * topo.ep_rank, 2 * topo.ep_rank + 2), slice(2 - 2 * topo.ep_rank, 4 - 2 * topo.ep_rank)
-    sent, received = everyone[topo.rank, other].sum(), everyone[1 - topo.rank, mine].sum()
-    topo.stats.reset()
-    layer.backward(rand_x((B, T, C), seed=9), layer.forward(x)[1])
-    snap = topo.stats.snapshot()
+    sent, received, routing, snap = moe_layer_traffic(layer, x, rand_x((B, T, C), seed=9), E)
     assert_on_every_rank({
         "all_to_allv bytes": (snap["ep.all_to_allv"]["bytes"], 2 * (sent + received) * C * 8),
         "all_to_allv calls": (snap["ep.all_to_allv"]["calls"], 4),

@@ -137,10 +137,11 @@ def test_moe_every_keeps_some_blocks_dense_and_training_logs_routing():
 
 @pytest.mark.parametrize("model, mesh, parallel, message", [
     (dict(num_experts=3), Mesh(1, 1, 2, 1, 2), {}, "--num-experts (3) must be divisible by the expert-parallel size (2)"),
-    (dict(num_experts=4), Mesh(1, 1, 3, 1, 2), {}, "the expert-parallel size (2) must divide the data-parallel size (3)"),
+    (dict(num_experts=4), Mesh(1, 1, 3, 1, 2), {}, "the expert-parallel size (2) must divide data x context parallel "
+                                                  "size (3 x 1 = 3)"),
+    (dict(num_experts=4), Mesh(1, 1, 1, 2, 4), {}, "the expert-parallel size (4) must divide data x context parallel "
+                                                  "size (1 x 2 = 2)"),
     (dict(), Mesh(1, 1, 2, 1, 2), {}, "--expert-parallel-size splits experts over ranks: it needs --num-experts"),
-    (dict(num_experts=4), Mesh(1, 1, 1, 2, 1), {}, "does not combine with --context-parallel-size"),
-    (dict(num_experts=4), Mesh(2, 1, 1, 1, 1), dict(sequence_parallel=True), "does not combine with --sequence-parallel"),
 ])
 def test_layouts_that_cannot_work_are_one_line(model, mesh, parallel, message):
     with pytest.raises(UserError) as error:

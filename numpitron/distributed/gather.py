@@ -68,12 +68,13 @@ def gather_full(model, topo, flats: dict) -> dict | None:
 
 def gather_stores(model, topo, flats: list[dict]) -> dict | None:
     """flats: one {kind: flat buffer} per store of model.stores. Like gather_full, over
-    every store: the experts come from the ep ranks of data replica 0."""
+    every store: the experts come from ep group 0."""
     full = gather_full(model, topo, flats[0])
     for store, store_flats in zip(model.stores[1:], flats[1:]):
-        leaders = [topo.world_rank_of(stage, e, 0) for stage in range(topo.pp) for e in range(topo.ep)]
-        experts = _gather(store, store.params, topo, store_flats, topo.expert_dp_rank == 0 and topo.cp_rank == 0,
-                          leaders)
+        # ep group 0 holds every expert: dp x cp ranks 0 .. ep - 1 (topology.py)
+        leaders = [topo.world_rank_of(stage, e // topo.cp, 0, e % topo.cp) for stage in range(topo.pp)
+                   for e in range(topo.ep)]
+        experts = _gather(store, store.params, topo, store_flats, topo.expert_dp_rank == 0, leaders)
         for kind, tensors in (experts or {}).items():
             full[kind].update(tensors)
     return full

@@ -6,10 +6,13 @@ Tensor-parallel peers are neighbouring ranks (on a cluster: one node, the fastes
 links), then context-parallel peers, then data replicas; pipeline stages are
 outermost. This is Megatron-LM's order.
 
-Expert parallelism adds no axis: the ep group is carved out of dp (Megatron-LM's
-choice). Consecutive dp ranks form an ep group and split the experts among them;
-ranks with the same position in their ep group (dp_rank % ep) hold the same experts
-and average their gradients (the expert_dp group, dp / ep ranks).
+Expert parallelism adds no axis: the ep group is carved out of dp x cp, the ranks
+that hold different tokens of one model replica (Megatron-Core's "MoE parallel
+folding", Liu et al. 2025: for an MLP a cp rank is one more data rank). Numbered
+dp_cp_rank = dp_rank * cp + cp_rank, ep consecutive of them form an ep group and
+split the experts among them; ranks with the same position in their ep group
+(dp_cp_rank % ep) hold the same experts and average their gradients (the expert_dp
+group, dp x cp / ep ranks). With cp = 1 this is ep inside dp.
 
 Context parallelism may split its group once more (distributed/ulysses.py): U consecutive
 cp ranks form a Ulysses group (cp_ulysses, an all-to-all over heads), and ranks with
@@ -79,9 +82,9 @@ class Topology:
     and tp slice), dp_cp (dp and cp together: every rank whose gradients are averaged
     into this one's, Megatron's data-parallel group "with context parallelism"), pp
     (one pipeline), model (tp x pp: one full model replica, for the gradient norm),
-    embedding (first and last stage: the tied embedding). Experts: ep (ep consecutive dp
-    ranks, which split the experts and exchange tokens), expert_dp (the dp ranks holding
-    the same experts), expert_model (tp x pp x ep: one whole copy of every expert, for
+    embedding (first and last stage: the tied embedding). Experts: ep (ep consecutive dp x cp
+    ranks, which split the experts and exchange tokens), expert_dp (the dp x cp ranks
+    holding the same experts), expert_model (tp x pp x ep: one whole copy of every expert, for
     the gradient norm). Inside cp: cp_ulysses (U consecutive cp ranks) and cp_ring (the
     cp / U ranks at the same place of their Ulysses groups); both count their bytes
     under "cp". Hybrid sharding: dp_shard (the cp x S ranks of one replica, which ZeRO
@@ -103,7 +106,7 @@ class Topology:
         self.dp_rank, rest = divmod(rest, cp * tp)
         self.cp_rank, self.tp_rank = divmod(rest, tp)
         self.dp_cp_rank = self.dp_rank * cp + self.cp_rank
-        self.expert_dp_rank, self.ep_rank = divmod(self.dp_rank, ep)
+        self.expert_dp_rank, self.ep_rank = divmod(self.dp_cp_rank, ep)
         self.dp_replica_rank, in_shard = divmod(self.dp_rank, self.dp_shard)
         self.dp_shard_rank = in_shard * cp + self.cp_rank
         self.world = Comm(world, self.stats, "world")
@@ -145,11 +148,11 @@ class Topology:
         emb = world.Split(color, pp_rank)
         self.embedding_comm = Comm(emb if on_ends else None, self.stats, "embedding")
         ep, ep_rank, expert_dp_rank = self.ep, self.ep_rank, self.expert_dp_rank
-        self.ep_comm = Comm(world.Split(((pp_rank * (dp // ep) + expert_dp_rank) * cp + cp_rank) * tp + tp_rank, ep_rank),
+        self.ep_comm = Comm(world.Split((pp_rank * (dp * cp // ep) + expert_dp_rank) * tp + tp_rank, ep_rank),
                             self.stats, "ep")
-        self.expert_dp_comm = Comm(world.Split(((pp_rank * ep + ep_rank) * cp + cp_rank) * tp + tp_rank, expert_dp_rank),
+        self.expert_dp_comm = Comm(world.Split((pp_rank * ep + ep_rank) * tp + tp_rank, expert_dp_rank),
                                    self.stats, "expert_dp")
-        self.expert_model_comm = Comm(world.Split(expert_dp_rank * cp + cp_rank, self.rank), self.stats, "expert_model")
+        self.expert_model_comm = Comm(world.Split(expert_dp_rank, self.rank), self.stats, "expert_model")
         S, replica, replicas = self.dp_shard, self.dp_replica_rank, self.dp_replicas
         self.dp_shard_comm = Comm(world.Split((pp_rank * replicas + replica) * tp + tp_rank, self.dp_shard_rank),
                                   self.stats, "dp_shard")
@@ -208,7 +211,7 @@ class Topology:
         return self.rank == 0
 
     def __str__(self) -> str:
-        experts = f" (experts split over ep={self.ep} of the dp ranks)" if self.ep > 1 else ""
+        experts = f" (experts split over ep={self.ep} of the dp x cp ranks)" if self.ep > 1 else ""
         lines = [f"mesh: tp={self.tp} x cp={self.cp} x dp={self.dp} x pp={self.pp} ({self.world_size} ranks){experts}"]
         if self.ulysses > 1:
             lines[0] += f" (cp: all-to-all in groups of {self.ulysses}, ring over {self.cp // self.ulysses})"

@@ -12,6 +12,16 @@ passes beside its routed ones, y += shared(x). They are one tensor-parallel MLP 
 N times the experts' hidden width (N MLPs side by side are one MLP N times as wide,
 their output biases one bias), replicated over dp like any dense layer.
 
+Split sequences. Under context parallelism a rank's tokens are T/cp of each sequence:
+it routes them, and the router (nn/router.py) gathers what the per-sequence statistics
+need; the ep group is carved out of dp x cp (distributed/topology.py), so tokens of
+any rank travel to any rank's experts alike. Under sequence parallelism a tp rank holds
+T/tp of the (cp-local) sequence, but the experts are split over tp and need their rows
+whole on every tp rank: the layer all-gathers its input along the sequence first
+(region.gather, the dense MLP's own all-gather), routes as without sp, and keeps its
+part of the output; in the backward the output gradient is gathered the same way. The
+shared experts are the dense MLP under sp, on this rank's part.
+
 A dropped choice adds nothing to y: if all of a token's choices are dropped, y[t] = 0
 and the block's residual carries the token on unchanged. With ep = 1 the all-to-alls
 are copies and this is the whole computation of one process.
@@ -27,6 +37,7 @@ from numpitron.distributed.sharding import shard_bounds
 from numpitron.nn.experts import LocalExperts
 from numpitron.nn.layer import Layer, rows
 from numpitron.nn.mlp import ParallelMLP
+from numpitron.nn.regions import ReplicatedRegion
 from numpitron.nn.router import TopKRouter
 from numpitron.nn.token_dispatch import AllToAllDispatcher
 
@@ -65,14 +76,17 @@ class MixtureOfExperts(Layer):
                  block: int = 0, log: RoutingLog | None = None, balance_bias: np.ndarray | None = None,
                  shared_experts: int = 0, expert_hidden: int = 0, region=None):
         """balance_bias: the router's (E,) bias (nn/router.py), None with the aux loss;
-        expert_hidden: every expert's hidden width (0: 4C); region: the shared experts'
-        tp region (the dense MLP's)."""
+        expert_hidden: every expert's hidden width (0: 4C); region: the block's tp region
+        (the dense MLP's: under sp the layer gathers its input along the sequence with it,
+        and the shared experts use it as the dense MLP does)."""
+        self.region = region or ReplicatedRegion(topo.tp_comm)
         self.router = TopKRouter(f"{name}.router", d_model, num_experts, top_k, capacity_factor, aux_loss_coef,
-                                 loss_weight, balance_bias)
+                                 loss_weight, balance_bias, topo.cp_comm, self.region)
         mine = range(*shard_bounds(num_experts, topo.ep, topo.ep_rank))
         self.experts = LocalExperts(f"{name}.experts", d_model, mine, topo, out_std, expert_hidden)
         hidden = expert_hidden or 4 * d_model
-        self.shared = ParallelMLP(f"{name}.shared", d_model, topo, out_std, region, hidden=shared_experts * hidden) \
+        self.shared = ParallelMLP(f"{name}.shared", d_model, topo, out_std, self.region,
+                                  hidden=shared_experts * hidden) \
             if shared_experts else None
         self.dispatcher = AllToAllDispatcher(topo.ep_comm, num_experts)
         self.E, self.k, self.block, self.log = num_experts, top_k, block, log
@@ -81,8 +95,9 @@ class MixtureOfExperts(Layer):
         shared = self.shared.parameters() if self.shared else []
         return self.router.parameters() + shared + self.experts.parameters()
 
-    def forward(self, x):
-        # x: (B, T, C), whole on every tp rank -> (B, T, C)
+    def forward(self, x_mine):
+        # x_mine: (B, T, C), or this tp rank's (B, T/tp, C) under sp -> the same shape
+        x = self.region.gather(x_mine)                           # (B, T, C) on every tp rank
         routing, router_cache = self.router.forward(x)
         # the kept (token, slot) pairs, sorted by expert (stable: token order within one)
         token, slot = np.nonzero(routing.kept)
@@ -100,15 +115,16 @@ class MixtureOfExperts(Layer):
             y[token[at]] += gate[at, None] * out[at]
         cache = {"routing": routing, "router": router_cache, "experts": experts_cache, "plan": plan,
                  "token": token, "slot": slot, "out": out}
-        y = y.reshape(x.shape)
+        y = self.region.sequence_part(y.reshape(x.shape))
         if self.shared:
-            shared_out, cache["shared"] = self.shared.forward(x)
+            shared_out, cache["shared"] = self.shared.forward(x_mine)
             y += shared_out
         return y, cache
 
-    def backward_input(self, dy, cache):
+    def backward_input(self, dy_mine, cache):
         token, slot, out, plan = cache["token"], cache["slot"], cache["out"], cache["plan"]
         routing = cache["routing"]
+        dy = self.region.output_grad(dy_mine)                    # whole, as the routing was
         dy_rows = rows(dy)[token]                                                  # (kept, C)
         dgates = np.zeros(routing.gates.shape, dy.dtype)
         dgates[token, slot] = np.sum(dy_rows * out, axis=1)
@@ -121,8 +137,9 @@ class MixtureOfExperts(Layer):
         for j in range(self.k):
             at = slot == j
             dx_rows[token[at]] += d_in[at]
+        dx = self.region.sequence_part(dx)       # every tp rank computed the whole dx alike
         if self.shared:
-            dx += self.shared.backward_input(dy, cache["shared"])
+            dx += self.shared.backward_input(dy_mine, cache["shared"])
         if self.log is not None:
             self.log.record(self.block, routing)
         return dx

@@ -64,6 +64,10 @@ class ReplicatedRegion:
         """This rank's share of per-token values along the sequence (axis 0)."""
         return rows
 
+    def sequence_part(self, x):
+        """This rank's part of (B, T, ...) along the sequence (axis 1): all of it."""
+        return x
+
 
 class SequenceParallelRegion(ReplicatedRegion):
     """Sequence parallelism: outside the tp layers each rank holds T/tp of the tokens
@@ -117,6 +121,10 @@ class SequenceParallelRegion(ReplicatedRegion):
     def local(self, rows):
         start, stop = shard_bounds(len(rows), self.tp.size, self.tp.rank)
         return rows[start:stop]
+
+    def sequence_part(self, x):
+        start, stop = shard_bounds(x.shape[1], self.tp.size, self.tp.rank)
+        return np.ascontiguousarray(x[:, start:stop])
 
 
 class DeferredSumRegion(ReplicatedRegion):

@@ -37,6 +37,18 @@ so it steers tokens without changing what the chosen experts' outputs are weight
 by, and it has no gradient. After each step every rank moves it by
 `update_balance_bias` from the step's global load: the same counts everywhere, so the
 same bias everywhere.
+
+Split sequences (context parallelism: a rank holds T/cp of each sequence's tokens, at
+the positions distributed/zigzag.py gives it). Each rank routes its own tokens; the
+per-sequence statistics need the rest. The capacity's queue positions and f need every
+earlier choice of the sequence: the choices (B x T/cp x k integers) are all-gathered
+over cp and laid out in position order, so every rank counts exactly what one process
+counts. P needs the probabilities summed over the sequence: an all-reduce of B x E
+numbers. The aux gradient of a token needs f only, which every rank now has; it is
+scaled by 1/(B * T/cp), the rank's own tokens, like its cross-entropy (the gradients
+are then averaged over dp x cp). Under sequence parallelism the router sees the whole
+(cp-local) sequence on every tp rank (nn/moe.py gathers it), and computes its weight
+gradient from this rank's part only: finalize_grads sums it over tp.
 """
 
 import math
@@ -44,8 +56,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from numpitron.distributed.comm import Comm, CommStats
+from numpitron.distributed.zigzag import local_positions
 from numpitron.nn.layer import Layer, rows
 from numpitron.nn.param import Param
+from numpitron.nn.regions import ReplicatedRegion
 
 
 @dataclass
@@ -69,18 +84,23 @@ class TopKRouter(Layer):
     weight the schedule gives each micro-batch's loss: the trainer's 1/m)."""
 
     def __init__(self, name: str, d_model: int, num_experts: int, top_k: int, capacity_factor: float,
-                 aux_loss_coef: float, loss_weight: float = 1.0, balance_bias: np.ndarray | None = None):
-        """balance_bias: (E,) the routing bias, moved in place between steps (None: none)."""
+                 aux_loss_coef: float, loss_weight: float = 1.0, balance_bias: np.ndarray | None = None,
+                 cp_comm: Comm | None = None, region=None):
+        """balance_bias: (E,) the routing bias, moved in place between steps (None: none);
+        cp_comm: the ranks holding the other tokens of this rank's sequences; region:
+        the tp region (sequence parallelism: the weight gradient from this rank's part)."""
         self.weight = Param(f"{name}.weight", (d_model, num_experts))     # replicated over tp
         self.E, self.k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.aux_loss_coef, self.loss_weight, self.balance_bias = aux_loss_coef, loss_weight, balance_bias
+        self.cp = cp_comm or Comm(None, CommStats(), "cp")
+        self.region = region or ReplicatedRegion(None)
 
     def parameters(self):
         return [self.weight]
 
     def forward(self, x):
-        B, T, _ = x.shape
-        E, k = self.E, self.k
+        B, t, _ = x.shape                      # t: this rank's tokens of each sequence, T / cp
+        E, k, T = self.E, self.k, t * self.cp.size
         logits = rows(x) @ self.weight.data                                   # (N, E)
         probs = np.exp(logits - logits.max(axis=1, keepdims=True))
         probs /= probs.sum(axis=1, keepdims=True)
@@ -88,18 +108,31 @@ class TopKRouter(Layer):
         chosen = np.argsort(-scores, axis=1, kind="stable")[:, :k]          # (N, k)
         gates = np.take_along_axis(probs, chosen, axis=1)
         # Each assignment's place in its expert's queue within its sequence, in token
-        # order: a running count over the sequence's k*T assignments.
+        # order: a running count over the whole sequence's k*T assignments.
+        whole, mine = self._whole_sequences(chosen.reshape(B, t, k), T)      # (B, T, k), my positions
         one_hot = np.zeros((B, T * k, E), np.int64)
-        np.put_along_axis(one_hot, chosen.reshape(B, T * k, 1), 1, axis=2)
-        place = np.take_along_axis(np.cumsum(one_hot, axis=1), chosen.reshape(B, T * k, 1), axis=2)
+        np.put_along_axis(one_hot, whole.reshape(B, T * k, 1), 1, axis=2)
+        place = np.take_along_axis(np.cumsum(one_hot, axis=1), whole.reshape(B, T * k, 1), axis=2)
         limit = capacity(self.capacity_factor, k, T, E)
-        kept = (place <= limit).reshape(-1, k) if limit else np.ones_like(chosen, bool)
+        kept = (place.reshape(B, T, k)[:, mine] <= limit).reshape(-1, k) if limit else np.ones_like(chosen, bool)
         # Switch's load-balancing loss, per sequence (module docstring)
         f = one_hot.sum(axis=1) / (k * T)                                     # (B, E)
-        P = probs.reshape(B, T, E).mean(axis=1)                               # (B, E)
+        P = self.cp.all_reduce(probs.reshape(B, t, E).sum(axis=1)) / T       # (B, E)
         aux = self.aux_loss_coef * E * float(np.mean(np.sum(f * P, axis=1)))
-        routing = Routing(chosen, gates, kept, aux, one_hot.sum(axis=(0, 1)))
+        routing = Routing(chosen, gates, kept, aux, np.bincount(chosen.reshape(-1), minlength=E))
         return routing, {"x": x, "probs": probs, "chosen": chosen, "f": f}
+
+    def _whole_sequences(self, chosen, T: int):
+        """chosen: (B, T/cp, k), this rank's tokens -> every rank's, in position order
+        (B, T, k) (one all-gather over cp), and the positions of this rank's tokens."""
+        cp = self.cp.size
+        everyone = np.empty((cp,) + chosen.shape, chosen.dtype)
+        everyone[self.cp.rank] = chosen
+        self.cp.all_gather(everyone)
+        whole = np.empty((chosen.shape[0], T, chosen.shape[2]), chosen.dtype)
+        for r in range(cp):
+            whole[:, local_positions(T, cp, r)] = everyone[r]
+        return whole, local_positions(T, cp, self.cp.rank)
 
     def backward_input(self, dgates, cache):
         """dgates: dL/dgate (N, k), zero for dropped assignments. Returns dL/dx."""
@@ -116,7 +149,9 @@ class TopKRouter(Layer):
         return (dlogits @ self.weight.data.T).reshape(cache["x"].shape)
 
     def backward_weights(self, cache):
-        self.weight.grad += rows(cache["x"]).T @ cache["dlogits"]
+        x = self.region.sequence_part(cache["x"])                  # this tp rank's part (sp), or all
+        dlogits = self.region.sequence_part(cache["dlogits"].reshape(cache["x"].shape[:2] + (self.E,)))
+        self.weight.grad += rows(x).T @ rows(dlogits)
 
 
 def update_balance_bias(bias: np.ndarray, load: np.ndarray, rate: float) -> None:

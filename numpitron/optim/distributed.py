@@ -38,7 +38,7 @@ from numpitron.precision import FORMATS, wires
 
 class GradientGroup(NamedTuple):
     """Who shares a store's parameters, and so its gradient reduction."""
-    comm: object          # the replicas, averaged over (dp x cp; for experts the dp/ep expert_dp ranks)
+    comm: object          # the replicas, averaged over (dp x cp; for experts the dp x cp / ep expert_dp ranks)
     batch_ranks: int      # data-parallel ranks whose tokens the summed gradient covers: the divisor
     whole_copy_comm: object  # ranks holding one whole copy of the store between them: the ZeRO-0 norm
     # ZeRO, hybrid sharding (docs/12-zero-2-and-3.md): `comm` is shard_comm x copies_comm.
@@ -54,7 +54,7 @@ class GradientGroup(NamedTuple):
     @classmethod
     def experts(cls, topo) -> "GradientGroup":
         """An expert's gradient already sums the tokens of its ep group (they came to it
-        by all-to-all); summed over expert_dp it covers all dp ranks' tokens. Experts
+        by all-to-all); summed over expert_dp it covers all dp x cp ranks' tokens. Experts
         shard over the whole expert_dp group, whatever S: one copy of each shard."""
         return cls(topo.expert_dp_comm, topo.dp_cp, topo.expert_model_comm, topo.expert_dp_comm,
                    Comm(None, topo.stats, "expert_dp_replica"), topo.world)

@@ -10,11 +10,13 @@ from numpitron.parallel.zero3 import ZeroThreeOptimizer
 OPTIMIZERS = {0: DataParallelOptimizer, 1: ZeroOneOptimizer, 2: ZeroTwoOptimizer, 3: ZeroThreeOptimizer}
 
 
-def make_optimizer(store, topo, train_cfg, parallel_cfg, group: GradientGroup | None = None):
+def make_optimizer(store, topo, train_cfg, parallel_cfg, group: GradientGroup | None = None,
+                   zero_stage: int | None = None):
     """Built after the model: an optimizer that shards pads the store itself. With
     --optimizer muon its update rule is Muon's, whatever the ZeRO stage (config.py
-    refuses it with hybrid sharding, the two-level all-reduce and mixed precision)."""
-    chosen = OPTIMIZERS[parallel_cfg.zero_stage]
+    refuses it with hybrid sharding, the two-level all-reduce and mixed precision).
+    zero_stage: this store's, if not the run's."""
+    chosen = OPTIMIZERS[parallel_cfg.zero_stage if zero_stage is None else zero_stage]
     if parallel_cfg.hierarchical_all_reduce:         # plain dp only (config.py)
         chosen = HierarchicalDataParallelOptimizer
     optimizer = chosen(store, topo, train_cfg, parallel_cfg, group)
@@ -26,6 +28,10 @@ def make_optimizer(store, topo, train_cfg, parallel_cfg, group: GradientGroup | 
 def make_optimizers(model, topo, train_cfg, parallel_cfg) -> list:
     """One optimizer per store of the model (model.stores): the dense parameters,
     averaged over dp x cp, then the experts, if any, averaged over expert_dp; both
-    sharded the same way (ZeRO stage) over their own group."""
+    sharded the same way (ZeRO stage) over their own group, except that under ZeRO-3
+    the experts stay at stage 2: the layer-by-layer gathering is the dense store's
+    (parallel/zero3.py), and an ep rank holds only its E/ep experts whole anyway."""
     groups = [GradientGroup.dense(topo), GradientGroup.experts(topo)]
-    return [make_optimizer(store, topo, train_cfg, parallel_cfg, group) for store, group in zip(model.stores, groups)]
+    stages = [parallel_cfg.zero_stage, min(parallel_cfg.zero_stage, 2)]
+    return [make_optimizer(store, topo, train_cfg, parallel_cfg, group, stage)
+            for store, group, stage in zip(model.stores, groups, stages)]

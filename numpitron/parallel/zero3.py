@@ -32,6 +32,10 @@ slice is all-reduced over the replicas (dp_replica, across hosts): `OwnedSlice.a
 
 Pipeline parallelism would regather every layer for every micro-batch on every
 stage; config.py refuses it (as Megatron-LM and DeepSpeed do).
+
+Experts: only the dense store is gathered layer by layer. A MoE block's experts live in
+the other store, whole on the ranks that hold them (their ep rank's share, E/ep
+experts), with ZeRO-2's sharded gradients and state over expert_dp (parallel/optimizer.py).
 """
 
 import numpy as np
@@ -125,7 +129,9 @@ class LayerGatherer:
         self.units = {ROOT: Unit([p for p in store.params if id(p) not in in_blocks], store.offsets,
                                  store.numel, store.size)}
         for k, block in enumerate(block_layers):
-            self.units[k] = Unit(block.parameters(), store.offsets, store.numel, store.size)
+            # a MoE block's experts are in the other store, never gathered (parallel/optimizer.py)
+            mine = [p for p in block.parameters() if p.name in store.offsets]
+            self.units[k] = Unit(mine, store.offsets, store.numel, store.size)
         self.unit_of_layer = [block_layers.index(layer) if layer in block_layers else ROOT
                               for layer in model.layers]
         self.params = {}            # unit -> (buffers, pending all-gathers)
