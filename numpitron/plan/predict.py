@@ -20,11 +20,14 @@ for tp, per bucket for dp, per micro-batch for pp). Ranks fill
 hosts in order (devices.Device.host_size), so a group of consecutive ranks stays on one
 host when the ranks it spans divide a host's: tp spans tp ranks, cp tp x cp, dp tp x cp
 x dp, pp all of them. Such a group uses the intra-host tier, any other the inter-host one. Tensor-, context- and pipeline-parallel traffic is exposed; the
-data-parallel reduction is hidden behind the backward but for its last bucket.
+data-parallel reduction is hidden behind the last micro-batch's backward but for its
+last bucket and what the link cannot carry in that backward.
 
 Pipelines: m micro-batches' stage time stretched by the schedule's bubble b, m t / (1 - b):
 (m + p - 1) t for GPipe and 1F1B; b from the unit-cost timeline of the schedule
-(parallel/schedules.py: interleaved and zero-bubble shrink it).
+(parallel/schedules.py: interleaved and zero-bubble shrink it). With ranks sharing
+cores, a rank idle in the bubble lends its core to the others, so the stretch is
+max(share, 1 / (1 - b)) over the share alone.
 
 Time-sharing: with more ranks than a CPU node has cores, each rank gets cores / ranks
 of a core, so compute and the exposed communication (a rank waiting in MPI holds its
@@ -92,19 +95,23 @@ def plan(model, parallel, train, mesh, device) -> dict:
         dp_time = sum(t for kind, t in t_comm.items() if kind.startswith(("dp_cp.", "dp_shard.", "dp_replica.")))
         buckets = gradient_buckets(model, rank, parallel.bucket_size)
         overlapped = parallel.zero_stage in (0, 2) and parallel.overlap_grad_reduce and not parallel.hierarchical_all_reduce
-        exposed_dp = dp_time / buckets if overlapped else dp_time
+        # Overlapped, the last bucket is exposed, and whatever the link could not carry
+        # during the last micro-batch's backward (two thirds of its compute).
+        exposed_dp = max(dp_time / buckets, dp_time - 2 / 3 * sum(per_mb.values())) if overlapped else dp_time
         if share > 1:                      # each blocking collective waits for a peer to be scheduled
             per_mb_syncs, step_syncs = sync_points(model, parallel, rank)
             exposed_per_mb += per_mb_syncs * device.time_sharing_wait / stretch
             exposed_dp += step_syncs * device.time_sharing_wait / stretch
-        compute_per_mb = sum(per_mb.values())
-        step = stretch * (m * (compute_per_mb + exposed_per_mb) / (1 - bubble) + t_adam + exposed_dp)
+        busy = stretch * m * (sum(per_mb.values()) + exposed_per_mb)
+        # A rank idle in the bubble gives its core to the ranks sharing it: with `share`
+        # ranks a core the bubble costs only what 1 / (1 - b) exceeds the sharing by.
+        idle = busy * (max(share, 1 / (1 - bubble)) / share - 1)
+        step = busy + idle + stretch * (t_adam + exposed_dp)
         stages.append({"stage": stage, **state, "activations_peak": activations,
                        "total_peak": sum(state.values()) + activations, "comm_bytes": comm, "tiers": tiers,
                        "time_s": {**{kind: stretch * m * t for kind, t in per_mb.items()},
                                   "exposed_comm": stretch * (m * exposed_per_mb + exposed_dp),
-                                  "optimizer": stretch * t_adam, "bubble": stretch * m * (compute_per_mb + exposed_per_mb)
-                                  * bubble / (1 - bubble), "step": step}})
+                                  "optimizer": stretch * t_adam, "bubble": idle, "step": step}})
     step = max(s["time_s"]["step"] for s in stages)
     flops = model_flops(*args)
     return {"mesh": {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "dp_shard": S, "devices": devices}, "microbatches": m,
