@@ -168,11 +168,40 @@ def routing(data_dir: Path, iters: int) -> dict:
         return run_json(launch(1, "benchmarks/experts.py", ["routing", str(Path(tmp) / "metrics.jsonl")]))
 
 
+def cluster_rates(plt) -> dict:
+    """Step time per layout against the inter-host rate on the simulated cluster, with tp
+    inside a host (2 ranks a host) and across hosts (1 a host), measured and planned:
+    drawn from what benchmarks/cluster_layouts.py wrote (it needs root and a quiet
+    hour, so `make figures` draws its saved output rather than running it)."""
+    rows = [r for r in json.loads((FIGURES / "cluster_layouts.json").read_text())["rows"] if r["model"] == "default"]
+    meshes = [m for m in ([4, 1, 1, 1], [2, 1, 2, 1], [1, 2, 2, 1], [1, 1, 4, 1])
+              if len({r["inter_mbit_s"] for r in rows if r["mesh"] == m}) >= 3]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.8), sharey=True)
+    for ax, per_host, title in ((axes[0], 2, "2 ranks a host: tp = 2 inside a host"),
+                                (axes[1], 1, "1 rank a host: every group crosses")):
+        for color, mesh in zip(("#e45756", "#4c78a8", "#54a24b", "#b279a2"), meshes):
+            points = sorted((r["inter_mbit_s"], r["measured_ms"], r["predicted_ms"]) for r in rows
+                            if r["mesh"] == mesh and r["per_host"] == per_host)
+            if points:
+                rate, measured, planned = zip(*points)
+                label = "tp pp dp cp = " + " ".join(map(str, mesh))
+                ax.plot(rate, measured, "o-", color=color, label=f"{label}, measured")
+                ax.plot(rate, planned, "--", color=color, lw=0.8, label=f"{label}, planned")
+        ax.set(xscale="log", yscale="log", xlabel="inter-host Mbit/s per rank (58 = InfiniBand scaled)", title=title)
+    axes[0].set_ylabel("ms per step (median)")
+    axes[1].legend(fontsize=6)
+    caption(axes[0], "python benchmarks/cluster_layouts.py --rates 0.25,1,4 (default model, micro-batch 3, batch 12, "
+                     "4 ranks on 2 cores; docs/figures/cluster_layouts.json)")
+    fig.savefig(FIGURES / "cluster_rates.svg", bbox_inches="tight")
+    return {"meshes": meshes}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", default="data")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", choices=["memory_zero"], help="make this figure alone (figures.json keeps the rest)")
+    p.add_argument("--only", choices=["memory_zero", "cluster_rates"],
+                   help="make this figure alone (figures.json keeps the rest)")
     args = p.parse_args()
     import matplotlib
     matplotlib.use("svg")
@@ -180,7 +209,7 @@ def main():
     FIGURES.mkdir(parents=True, exist_ok=True)
     if args.only:
         data = json.loads((FIGURES / "figures.json").read_text())
-        data[args.only] = {"memory_zero": memory}[args.only](plt)
+        data[args.only] = {"memory_zero": memory, "cluster_rates": cluster_rates}[args.only](plt)
         (FIGURES / "figures.json").write_text(json.dumps(data, indent=1) + "\n")
         return
     iters = 5 if args.quick else 20
@@ -192,6 +221,7 @@ def main():
                    check=True, cwd=REPO, capture_output=True)
     data["context_parallel_blocks"] = context_parallel_blocks()
     data["routing"] = routing(Path(args.data_dir).resolve(), 200 if args.quick else 2000)
+    data["cluster_rates"] = cluster_rates(plt)
     (FIGURES / "figures.json").write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {', '.join(sorted(p.name for p in FIGURES.glob('*.svg')))} and figures.json in {FIGURES}")
 
