@@ -325,3 +325,39 @@ def test_planned_calls_equal_the_calls_a_run_makes():
                              Rank.of(trainer.topo, trainer.parallel_cfg))
         checks[name(layout)] = ({k: v["calls"] for k, v in trainer.topo.stats.snapshot().items()}, planned)
     assert_on_every_rank(checks)
+
+
+def test_a_rank_idle_in_the_bubble_lends_its_core_to_the_others():
+    """pp = 4, m = 4 under 1F1B: the bubble is 3/7 of a stage's time alone, 1 / (1 - b) =
+    1.75; four ranks on two cores already take twice their work, so the bubble costs
+    nothing more there."""
+    from dataclasses import replace
+
+    from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
+    from numpitron.plan.devices import load_device
+    from numpitron.plan.predict import plan
+    model, parallel, train = ModelConfig(), ParallelConfig(), TrainConfig(micro_batch_size=3, global_batch_size=12)
+    cpu = replace(load_device("this-machine"), time_sharing_wait=0.0, slowest_rank=1.0)
+    alone = plan(model, parallel, train, (1, 4, 1, 1), replace(cpu, cores_per_node=4))
+    shared = plan(model, parallel, train, (1, 4, 1, 1), cpu)
+    assert alone["bubble"] == pytest.approx(3 / 7) and shared["time_sharing"] == 2
+    for a, s in zip(alone["stages"], shared["stages"]):
+        assert a["time_s"]["bubble"] > 0 and s["time_s"]["bubble"] == 0
+        assert s["time_s"]["step"] == pytest.approx(2 * (a["time_s"]["step"] - a["time_s"]["bubble"]))
+
+
+def test_a_slow_link_exposes_what_it_cannot_carry_during_the_backward():
+    """dp = 2 in 8 buckets over a link of 1 MB/s: the 3 MB all-reduce takes seconds, the
+    backward milliseconds, so nearly all of it is exposed, not one bucket's eighth."""
+    from dataclasses import replace
+
+    from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
+    from numpitron.plan.devices import load_device
+    from numpitron.plan.predict import plan
+    slow = replace(load_device("this-machine"), cores_per_node=0, intra_bandwidth=1e6, intra_latency=0.0)
+    result = plan(ModelConfig(), ParallelConfig(bucket_size=100_000), TrainConfig(micro_batch_size=12),
+                  (1, 1, 2, 1), slow)
+    stage = result["stages"][0]
+    link = stage["comm_bytes"]["dp_cp.all_reduce"] / 1e6
+    compute = sum(stage["time_s"][k] for k in ("matmul", "elementwise", "exp", "calls"))
+    assert stage["time_s"]["exposed_comm"] == pytest.approx(result["pace"] * link - 2 / 3 * compute)
