@@ -176,22 +176,25 @@ def cluster_rates(plt) -> dict:
     rows = [r for r in json.loads((FIGURES / "cluster_layouts.json").read_text())["rows"] if r["model"] == "default"]
     meshes = [m for m in ([4, 1, 1, 1], [2, 1, 2, 1], [1, 2, 2, 1], [1, 1, 4, 1])
               if len({r["inter_mbit_s"] for r in rows if r["mesh"] == m}) >= 3]
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.8), sharey=True)
-    for ax, per_host, title in ((axes[0], 2, "2 ranks a host: tp = 2 inside a host"),
-                                (axes[1], 1, "1 rank a host: every group crosses")):
+    fig, axes = plt.subplots(1, 2, figsize=(8, 4.2), sharey=True)
+    fig.subplots_adjust(bottom=0.22)
+    for ax, per_host, title in ((axes[0], 2, "2 ranks a host (tp = 2 inside one)"),
+                                (axes[1], 1, "1 rank a host (every group crosses)")):
         for color, mesh in zip(("#e45756", "#4c78a8", "#54a24b", "#b279a2"), meshes):
             points = sorted((r["inter_mbit_s"], r["measured_ms"], r["predicted_ms"]) for r in rows
                             if r["mesh"] == mesh and r["per_host"] == per_host)
             if points:
                 rate, measured, planned = zip(*points)
-                label = "tp pp dp cp = " + " ".join(map(str, mesh))
-                ax.plot(rate, measured, "o-", color=color, label=f"{label}, measured")
-                ax.plot(rate, planned, "--", color=color, lw=0.8, label=f"{label}, planned")
-        ax.set(xscale="log", yscale="log", xlabel="inter-host Mbit/s per rank (58 = InfiniBand scaled)", title=title)
-    axes[0].set_ylabel("ms per step (median)")
-    axes[1].legend(fontsize=6)
-    caption(axes[0], "python benchmarks/cluster_layouts.py --rates 0.25,1,4 (default model, micro-batch 3, batch 12, "
-                     "4 ranks on 2 cores; docs/figures/cluster_layouts.json)")
+                ax.plot(rate, measured, "o-", color=color, label="tp pp dp cp = " + " ".join(map(str, mesh)))
+                ax.plot(rate, planned, "--", color=color, lw=0.8)
+        ax.set(xscale="log", yscale="log", xlabel="inter-host Mbit/s per rank", title=title)
+        ax.minorticks_off()
+        ax.set_xticks(rate, [f"{r:.0f}" for r in rate])
+        ax.set_yticks([300, 1000, 3000, 8000], ["300", "1,000", "3,000", "8,000"])
+    axes[0].set_ylabel("ms per step: measured (solid), planned (dashed)")
+    axes[0].legend(fontsize=7)
+    caption(axes[0], "python benchmarks/cluster_layouts.py --rates 0.25,1,4 (58 Mbit/s: InfiniBand scaled); default model, "
+                     "micro-batch 3, batch 12, 4 ranks on 2 shared cores; docs/figures/cluster_layouts.json")
     fig.savefig(FIGURES / "cluster_rates.svg", bbox_inches="tight")
     return {"meshes": meshes}
 
