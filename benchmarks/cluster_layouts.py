@@ -13,7 +13,8 @@ cluster's --intra-host-rate mode), so both tiers are links.
 
 For each placement (--hosts-of: ranks per host, hosts filled in order) it brings up a
 cluster, measures each layout with benchmarks/benchmark.py through `cluster run`, and
-plans it with the same profile, the links' latency measured by an 8-byte all-reduce.
+plans it with the same profile, each tier's per-message latency alpha fitted to a sweep
+of all-reduces from 8 bytes to 256 KiB (devices.fit_link).
 Prints a Markdown table. One round by default: the machine is shared, so differences
 under ~15% between layouts are within its noise.
 """
@@ -31,14 +32,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from numpitron.errors import UserError  # noqa: E402
-from numpitron.plan.devices import PAPER, load_device  # noqa: E402
+from numpitron.plan.devices import PAPER, fit_link, load_device  # noqa: E402
 
 A100 = PAPER["a100-80gb-node"]
 PREFIX = "npt-bench-"
 MESHES = [(4, 1, 1, 1), (1, 4, 1, 1), (1, 1, 4, 1), (1, 1, 1, 4), (2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 2),
           (1, 2, 2, 1), (1, 2, 1, 2), (1, 1, 2, 2)]             # (tp, pp, dp, cp)
 MODELS = {"default": [], "nanogpt": ["--n-layers", "6", "--n-heads", "6", "--d-model", "384", "--seq-len", "256"]}
-BATCH = ["--micro-batch-size", "3", "--global-batch-size", "12"]
+BATCH = ["--micro-batch-size", "3", "--global-batch-size", "12"]       # hsdp.py's
 
 
 def cluster(*args, check=True) -> str:
@@ -61,23 +62,39 @@ def scaled_rates(peak: float) -> tuple[float, float]:
     return A100.intra_bandwidth * ratio, A100.inter_bandwidth * ratio
 
 
+SWEEP = [8 << s for s in range(0, 16, 3)] + [1 << 20]     # 8 B .. 1 MiB: the latency's end to the bandwidth's
+
+
 def probe():
-    """Seconds of one 8-byte all-reduce between two ranks (2 alpha for n = 2)."""
+    """Median seconds of all-reduces of each size in SWEEP between two ranks."""
     import numpy as np
     from mpi4py import MPI
-    world, x = MPI.COMM_WORLD, np.ones(1)
-    for _ in range(20):
-        world.Allreduce(MPI.IN_PLACE, x)
-    start = time.perf_counter()
-    for _ in range(200):
-        world.Allreduce(MPI.IN_PLACE, x)
+    world, out = MPI.COMM_WORLD, {}
+    for size in SWEEP:
+        x, times = np.ones(size // 8), []
+        for _ in range(5):
+            world.Allreduce(MPI.IN_PLACE, x)
+        for _ in range(40 if size < 1 << 15 else 10):
+            world.Barrier()
+            start = time.perf_counter()
+            world.Allreduce(MPI.IN_PLACE, x)
+            times.append(time.perf_counter() - start)
+        out[size] = world.allreduce(statistics.median(times), op=MPI.MAX)
     if world.Get_rank() == 0:
-        print(json.dumps({"allreduce_s": (time.perf_counter() - start) / 200}))
+        print(json.dumps(out))
+
+
+def link_fit(per_host: int) -> tuple[float, float]:
+    """(alpha, beta) of the tier two ranks `per_host` to a host reach each other over
+    (1: the inter-host links, 2: the intra-host ones), fitted to the sweep
+    (devices.fit_link): the per-message cost the planner charges is this alpha."""
+    out = cluster("run", "-n", "2", "--per-host", str(per_host), "--", sys.executable, __file__, "--probe")
+    seconds = json.loads(out.strip().splitlines()[-1])
+    return fit_link([int(size) for size in seconds], list(seconds.values()))
 
 
 def latency(per_host: int) -> float:
-    out = cluster("run", "-n", "2", "--per-host", str(per_host), "--", sys.executable, __file__, "--probe")
-    return json.loads(out.strip().splitlines()[-1])["allreduce_s"] / 2
+    return link_fit(per_host)[0]
 
 
 def plan_step(flags: list, device) -> dict:
@@ -91,61 +108,168 @@ def plan_step(flags: list, device) -> dict:
     return plan(model, parallel, train, layout_of(args, 4, model, parallel, train), device)
 
 
-def measure(flags: list, iters: int) -> float:
-    out = cluster("run", "-n", "4", "--", sys.executable, "benchmarks/benchmark.py", "--warmup", "2",
+def measure_run(flags: list, iters: int, warmup: int = 2) -> dict:
+    """benchmarks/benchmark.py's JSON for these flags on the cluster's 4 ranks."""
+    out = cluster("run", "-n", "4", "--", sys.executable, "benchmarks/benchmark.py", "--warmup", str(warmup),
                   "--iters", str(iters), *flags)
-    return json.loads(out.strip().splitlines()[-1])["ms_per_iter_median"]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def measure(flags: list, iters: int) -> float:
+    return measure_run(flags, iters)["ms_per_iter_median"]
+
+
+def at_speed(device, measured: dict):
+    """The profile at the compute speed the run's own ranks measured just before it
+    trained (benchmark.py: 1024^3 sgemm on every rank at once): every figure of the
+    CPU's work scaled by that rate over the profile's peak. A rank's rate is measured
+    sharing its core as in training, and the planner divides by the sharing itself, so
+    it is multiplied back by it first. The wait for a peer to be scheduled stays as
+    calibrated: under load it is in the fitted alpha already."""
+    speed = measured["peak_gflops_per_rank"] * 1e9 * device.time_sharing(4) / device.peak_flops
+    return replace(device, peak_flops=device.peak_flops * speed, memory_bandwidth=device.memory_bandwidth * speed,
+                   matmul_curve=tuple((size, rate * speed) for size, rate in device.matmul_curve),
+                   exp_time=device.exp_time / speed, call_time=device.call_time / speed), speed
+
+
+def predict(row: dict, cpu):
+    """The planner's step for a measured row (kept in it: predicted_ms, speed, crosses):
+    each tier's fitted alpha; the inter-host tier at its token bucket's rate (a host's
+    ranks share its link, which one rank alone, as in the sweep, does not); the
+    intra-host tier at the lower of its fitted and shaped rate (under load the kernel's
+    TCP, not the token bucket, sets its pace); the compute speed the run measured."""
+    device = replace(cpu, ranks_per_host=row["per_host"], intra_latency=row["alpha_intra_s"],
+                     inter_latency=row["alpha_inter_s"], inter_bandwidth=row["inter_mbit_s"] * 1e6 / 8,
+                     intra_bandwidth=min(row["beta_intra_bytes_s"], row["intra_mbit_s"] * 1e6 / 8))
+    scaled, speed = at_speed(device, {"peak_gflops_per_rank": row["sgemm_gflops_per_rank"]})
+    planned = plan_step(row["flags"], scaled)
+    row.update(predicted_ms=1e3 * planned["step_s"], speed=speed, crosses=planned["groups_across_hosts"])
+    return planned
+
+
+def replan(path: Path) -> None:
+    """Plan every row of a saved run again with the planner as it is now, and print the summary."""
+    data, cpu = json.loads(path.read_text()), load_device("this-machine")
+    for row in data["rows"]:
+        predict(row, cpu)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    for model in sorted({r["model"] for r in data["rows"]}):
+        print(f"{model}:")
+        summary([r for r in data["rows"] if r["model"] == model])
+
+
+def spearman(a: list, b: list) -> float:
+    """Rank correlation of two lists of distinct values."""
+    rank_a, rank_b = [sorted(a).index(x) for x in a], [sorted(b).index(x) for x in b]
+    n = len(a)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(rank_a, rank_b)) / (n * (n * n - 1))
+
+
+def summary(rows: list) -> None:
+    """Within 20%, and the rankings (fastest first) and their rank correlation per placement and rate."""
+    ratios = [r["predicted_ms"] / r["measured_ms"] for r in rows]
+    print(f"\npredicted / measured: median {statistics.median(ratios):.2f}, "
+          f"{sum(abs(r - 1) <= 0.2 for r in ratios)} of {len(ratios)} within 20%")
+    for key in sorted({(r["per_host"], r["inter_multiple"]) for r in rows}, reverse=True):
+        group = [r for r in rows if (r["per_host"], r["inter_multiple"]) == key]
+        if len(group) < 3:
+            continue
+        columns = [[r[c] for r in group] for c in ("measured_ms", "predicted_ms", "a100_ms")]
+        names = [" ".join("".join(map(str, r["mesh"])) for _, r in sorted(zip(col, group), key=lambda t: t[0]))
+                 for col in columns]
+        print(f"{key[0]} ranks per host at {key[1]:g}x, fastest first (tp pp dp cp): measured {names[0]}; "
+              f"planned {names[1]}; planned on A100s {names[2]}; rank correlation with measured: planned "
+              f"{spearman(columns[0], columns[1]):.2f}, on A100s {spearman(columns[0], columns[2]):.2f}")
+
+
+def save(path: Path, model: str, rows: list, fits: dict) -> None:
+    """Merge these rows into the JSON at `path` (a row replaces one of the same model,
+    placement, rate and mesh), for docs/17's tables and figures.py's figure."""
+    data = json.loads(path.read_text()) if path.exists() else {"rows": [], "fits": {}}
+    key = ("model", "per_host", "inter_multiple", "mesh")
+    new = {tuple(str(r[k]) for k in key) for r in rows}
+    data["rows"] = [r for r in data["rows"] if tuple(str(r[k]) for k in key) not in new] + rows
+    data["fits"].update({f"{model} {k}": v for k, v in fits.items()})
+    path.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def main():
+    global PREFIX
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=sorted(MODELS), default="default")
-    p.add_argument("--hosts-of", default="4,2,1", help="ranks per host of each placement, e.g. 4,2,1")
+    p.add_argument("--hosts-of", default="2,1", help="ranks per host of each placement, e.g. 2,1")
+    p.add_argument("--rates", default="1", help="inter-host rates, as multiples of the scaled InfiniBand: 0.25,1,4")
+    p.add_argument("--meshes", default=None, help="only these layouts (tp pp dp cp), e.g. 2121,1221")
+    p.add_argument("--batch", default="3,12", help="micro-batch and global batch")
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", default=None, help="merge the rows into this JSON (docs/figures/cluster_layouts.json)")
+    p.add_argument("--prefix", default=PREFIX, help="the cluster's names start with this (default npt-bench-)")
+    p.add_argument("--replan", action="store_true", help="plan the rows of --out again, without measuring")
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.probe:
         return probe()
+    if args.replan:
+        return replan(Path(args.out))
+    PREFIX = args.prefix
     cpu = load_device("this-machine")
-    intra, inter = scaled_rates(cpu.peak_flops)
+    intra, infiniband = scaled_rates(cpu.peak_flops)
+    micro, batch = args.batch.split(",")
+    meshes = [m for m in MESHES if args.meshes is None or "".join(map(str, m)) in args.meshes.split(",")]
     print(f"scale: {cpu.peak_flops / 1e9:.0f} GFLOP/s here over the A100's {A100.peak_flops / 1e12:.0f} TFLOP/s; "
-          f"intra-host {8 * intra / 1e6:.0f} Mbit/s and inter-host {8 * inter / 1e6:.1f} Mbit/s per rank")
-    print("| ranks per host | tp pp dp cp | crosses hosts | measured ms | predicted ms | predicted / measured "
-          "| A100 predicted ms |")
-    print("| ---: | --- | --- | ---: | ---: | ---: | ---: |")
-    rows = []
+          f"intra-host {8 * intra / 1e6:.0f} Mbit/s and inter-host {8 * infiniband / 1e6:.1f} Mbit/s per rank")
+    print("| ranks per host | inter-host Mbit/s | tp pp dp cp | crosses hosts | measured ms | predicted ms "
+          "| predicted / measured | A100 predicted ms | speed | load |")
+    print("| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    rows, fits = [], {}
     for per_host in (int(r) for r in args.hosts_of.split(",")):
-        hosts = 4 // per_host
-        cluster("down", check=False)
-        cluster("up", "--hosts", str(hosts), "--ranks-per-host", str(per_host),
-                "--inter-host-rate", f"{8 * inter * per_host / 1e3:.0f}kbit", "--intra-host-rate", f"{8 * intra / 1e3:.0f}kbit")
-        alpha_inter = latency(1) if hosts > 1 else 0.0
-        alpha_intra = latency(2) if per_host > 1 else 0.0
-        device = replace(cpu, ranks_per_host=per_host, intra_bandwidth=intra, inter_bandwidth=inter,
-                         intra_latency=alpha_intra, inter_latency=alpha_inter)
-        a100 = replace(A100, ranks_per_host=per_host)
-        for mesh in MESHES:
-            flags = MODELS[args.model] + BATCH + mesh_flags(mesh)
-            try:
-                planned, on_a100 = plan_step(flags, device), plan_step(flags, a100)
-            except UserError as error:
-                print(f"| {per_host} | {' '.join(map(str, mesh))} | rejected: {error} | | | | |")
-                continue
-            measured = measure(flags, args.iters)
-            rows.append((per_host, mesh, measured, 1e3 * planned["step_s"], 1e3 * on_a100["step_s"]))
-            print(f"| {per_host} | {' '.join(map(str, mesh))} | {', '.join(planned['groups_across_hosts']) or '-'} "
-                  f"| {measured:.0f} | {1e3 * planned['step_s']:.0f} | {1e3 * planned['step_s'] / measured:.2f} "
-                  f"| {1e3 * on_a100['step_s']:.3f} |", flush=True)
+        for multiple in (float(m) for m in args.rates.split(",")):
+            rows += placement(args, cpu, per_host, multiple, intra, infiniband * multiple, meshes,
+                              ["--micro-batch-size", micro, "--global-batch-size", batch], fits)
     cluster("down", check=False)
-    ratios = [planned / measured for _, _, measured, planned, _ in rows]
-    print(f"\npredicted / measured: median {statistics.median(ratios):.2f}, "
-          f"{sum(abs(r - 1) <= 0.2 for r in ratios)} of {len(ratios)} within 20%")
-    for per_host in sorted({r[0] for r in rows}, reverse=True):
-        group = [r for r in rows if r[0] == per_host]
-        order = [lambda r: r[2], lambda r: r[3], lambda r: r[4]]
-        names = [" ".join("".join(map(str, r[1])) for r in sorted(group, key=key)) for key in order]
-        print(f"{per_host} ranks per host, fastest first (tp pp dp cp): measured {names[0]}; "
-              f"planned {names[1]}; planned on A100s {names[2]}")
+    summary(rows)
+    if args.out:
+        save(Path(args.out), args.model, rows, fits)
+
+
+def placement(args, cpu, per_host, multiple, intra, inter, meshes, batch, fits) -> list:
+    """Bring a cluster up with hosts of per_host ranks at this inter-host rate, fit its
+    tiers, and measure and plan each mesh on it."""
+    hosts, rows = 4 // per_host, []
+    cluster("down", check=False)
+    cluster("up", "--hosts", str(hosts), "--ranks-per-host", str(per_host),
+            "--inter-host-rate", f"{8 * inter * per_host / 1e3:.0f}kbit", "--intra-host-rate", f"{8 * intra / 1e3:.0f}kbit")
+    alpha_inter, beta_inter = link_fit(1) if hosts > 1 else (0.0, inter)
+    alpha_intra, beta_intra = link_fit(2) if per_host > 1 else (0.0, intra)
+    fits[f"{per_host} per host at {multiple:g}x"] = {"alpha_inter_s": alpha_inter, "beta_inter_bytes_s": beta_inter,
+                                                     "alpha_intra_s": alpha_intra, "beta_intra_bytes_s": beta_intra}
+    print(f"fitted on {hosts} hosts of {per_host}: inter-host alpha {1e6 * alpha_inter:.0f} us, "
+          f"beta {8 * beta_inter / 1e6:.1f} Mbit/s (shaped {8 * inter / 1e6:.1f}); intra-host alpha "
+          f"{1e6 * alpha_intra:.0f} us, beta {8 * beta_intra / 1e6:.1f} Mbit/s (shaped {8 * intra / 1e6:.0f})", flush=True)
+    tiers = fits[f"{per_host} per host at {multiple:g}x"]
+    a100 = replace(A100, ranks_per_host=per_host, inter_bandwidth=A100.inter_bandwidth * multiple)
+    for mesh in meshes:
+        flags = MODELS[args.model] + batch + mesh_flags(mesh)
+        try:
+            on_a100 = plan_step(flags, a100)
+        except UserError as error:
+            print(f"| {per_host} | | {' '.join(map(str, mesh))} | rejected: {error} | | | | | | |")
+            continue
+        run = measure_run(flags, args.iters, args.warmup)
+        row = {"model": args.model, "per_host": per_host, "inter_multiple": multiple, "mesh": list(mesh),
+               "flags": flags, "inter_mbit_s": 8 * inter / 1e6, "intra_mbit_s": 8 * intra / 1e6, **tiers,
+               "measured_ms": run["ms_per_iter_median"], "a100_ms": 1e3 * on_a100["step_s"],
+               "sgemm_gflops_per_rank": run["peak_gflops_per_rank"], "load": run["loadavg_1min_at_start"],
+               "iters": args.iters}
+        planned = predict(row, cpu)
+        rows.append(row)
+        measured, speed = row["measured_ms"], row["speed"]
+        print(f"| {per_host} | {8 * inter / 1e6:.1f} | {' '.join(map(str, mesh))} | "
+              f"{', '.join(planned['groups_across_hosts']) or '-'} | {measured:.0f} | {1e3 * planned['step_s']:.0f} "
+              f"| {1e3 * planned['step_s'] / measured:.2f} | {1e3 * on_a100['step_s']:.3f} | {speed:.2f} "
+              f"| {run['loadavg_1min_at_start']:.1f} |", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -174,11 +174,50 @@ def experts_compare(data_dir: Path, iters: int) -> dict:
     return run_json(launch(1, "benchmarks/experts.py", ["compare", "--iters", str(iters), "--data-dir", str(data_dir)]))
 
 
+def cluster_rates(plt) -> dict:
+    """Step time per layout against the inter-host rate on the simulated cluster, with tp
+    inside a host (2 ranks a host) and across hosts (1 a host), measured and planned:
+    drawn from what benchmarks/cluster_layouts.py wrote (it needs root and a quiet
+    hour, so `make figures` draws its saved output rather than running it)."""
+    rows = [r for r in json.loads((FIGURES / "cluster_layouts.json").read_text())["rows"] if r["model"] == "default"]
+    meshes = [m for m in ([4, 1, 1, 1], [2, 1, 2, 1], [1, 2, 2, 1], [1, 1, 4, 1])
+              if len({r["inter_mbit_s"] for r in rows if r["mesh"] == m}) >= 3]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 4.2), sharey=True)
+    fig.subplots_adjust(bottom=0.22)
+    for ax, per_host, title in ((axes[0], 2, "2 ranks a host (tp = 2 inside one)"),
+                                (axes[1], 1, "1 rank a host (every group crosses)")):
+        for color, mesh in zip(("#e45756", "#4c78a8", "#54a24b", "#b279a2"), meshes):
+            points = sorted((r["inter_mbit_s"], r["measured_ms"], r["predicted_ms"]) for r in rows
+                            if r["mesh"] == mesh and r["per_host"] == per_host)
+            if points:
+                rate, measured, planned = zip(*points)
+                ax.plot(rate, measured, "o-", color=color, label="tp pp dp cp = " + " ".join(map(str, mesh)))
+                ax.plot(rate, planned, "--", color=color, lw=0.8)
+        ax.set(xscale="log", yscale="log", xlabel="inter-host Mbit/s per rank", title=title)
+        ax.minorticks_off()
+        ax.set_xticks(rate, [f"{r:.0f}" for r in rate])
+        ax.set_yticks([300, 1000, 3000, 8000], ["300", "1,000", "3,000", "8,000"])
+    axes[0].set_ylabel("ms per step: measured (solid), planned (dashed)")
+    axes[0].legend(fontsize=7)
+    caption(axes[0], "python benchmarks/cluster_layouts.py --rates 0.25,1,4 (58 Mbit/s: InfiniBand scaled); default model, "
+                     "micro-batch 3, batch 12, 4 ranks on 2 shared cores; docs/figures/cluster_layouts.json")
+    fig.savefig(FIGURES / "cluster_rates.svg", bbox_inches="tight")
+    return {"meshes": meshes}
+
+
+# The figures that can be made alone (`--only NAME`), each from (plt, data_dir):
+ALONE = {
+    "memory_zero": lambda plt, data_dir: memory(plt),
+    "experts_compare": lambda plt, data_dir: experts_compare(data_dir, 300),
+    "cluster_rates": lambda plt, data_dir: cluster_rates(plt),
+}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", default="data")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", choices=["memory_zero", "experts_compare"],
+    p.add_argument("--only", choices=sorted(ALONE),
                    help="make this figure alone (figures.json keeps the rest)")
     args = p.parse_args()
     import matplotlib
@@ -187,9 +226,7 @@ def main():
     FIGURES.mkdir(parents=True, exist_ok=True)
     if args.only:
         data = json.loads((FIGURES / "figures.json").read_text())
-        make = {"memory_zero": lambda: memory(plt),
-                "experts_compare": lambda: experts_compare(Path(args.data_dir).resolve(), 300)}
-        data[args.only] = make[args.only]()
+        data[args.only] = ALONE[args.only](plt, Path(args.data_dir).resolve())
         (FIGURES / "figures.json").write_text(json.dumps(data, indent=1) + "\n")
         return
     iters = 5 if args.quick else 20
@@ -202,6 +239,7 @@ def main():
     data["context_parallel_blocks"] = context_parallel_blocks()
     data["routing"] = routing(Path(args.data_dir).resolve(), 200 if args.quick else 2000)
     data["experts_compare"] = experts_compare(Path(args.data_dir).resolve(), 40 if args.quick else 300)
+    data["cluster_rates"] = cluster_rates(plt)
     (FIGURES / "figures.json").write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {', '.join(sorted(p.name for p in FIGURES.glob('*.svg')))} and figures.json in {FIGURES}")
 
