@@ -20,6 +20,7 @@ under ~15% between layouts are within its noise.
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -34,16 +35,17 @@ from numpitron.errors import UserError  # noqa: E402
 from numpitron.plan.devices import PAPER, load_device  # noqa: E402
 
 A100 = PAPER["a100-80gb-node"]
-PREFIX = "npt-bench-"
+PREFIX = "npt-bench-"         # --prefix: each person measuring at once uses their own
 MESHES = [(4, 1, 1, 1), (1, 4, 1, 1), (1, 1, 4, 1), (1, 1, 1, 4), (2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 2),
           (1, 2, 2, 1), (1, 2, 1, 2), (1, 1, 2, 2)]             # (tp, pp, dp, cp)
 MODELS = {"default": [], "nanogpt": ["--n-layers", "6", "--n-heads", "6", "--d-model", "384", "--seq-len", "256"]}
 BATCH = ["--micro-batch-size", "3", "--global-batch-size", "12"]
 
 
-def cluster(*args, check=True) -> str:
-    done = subprocess.run([sys.executable, "-m", "numpitron.cluster", "--prefix", PREFIX, *args],
-                          capture_output=True, text=True, cwd=REPO)
+def cluster(*args, prefix=PREFIX, check=True) -> str:
+    env = {**os.environ, "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1", "OPENBLAS_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "numpitron.cluster", "--prefix", prefix, *args],
+                          capture_output=True, text=True, cwd=REPO, env=env)
     if check and done.returncode:
         raise SystemExit(f"cluster {' '.join(args[:3])} failed: {done.stderr.strip()[-2000:]}")
     return done.stdout
@@ -61,6 +63,14 @@ def scaled_rates(peak: float) -> tuple[float, float]:
     return A100.intra_bandwidth * ratio, A100.inter_bandwidth * ratio
 
 
+def scaled_cluster(hosts: int, per_host: int, inter: float, intra: float, prefix: str) -> None:
+    """Bring up (again) a cluster whose every rank has its own link of `intra` bytes/s and
+    whose host links carry `per_host` ranks' worth of `inter` bytes/s each."""
+    cluster("down", prefix=prefix, check=False)
+    cluster("up", "--hosts", str(hosts), "--ranks-per-host", str(per_host), "--inter-host-rate",
+            f"{8 * inter * per_host / 1e3:.0f}kbit", "--intra-host-rate", f"{8 * intra / 1e3:.0f}kbit", prefix=prefix)
+
+
 def probe():
     """Seconds of one 8-byte all-reduce between two ranks (2 alpha for n = 2)."""
     import numpy as np
@@ -75,8 +85,9 @@ def probe():
         print(json.dumps({"allreduce_s": (time.perf_counter() - start) / 200}))
 
 
-def latency(per_host: int) -> float:
-    out = cluster("run", "-n", "2", "--per-host", str(per_host), "--", sys.executable, __file__, "--probe")
+def latency(per_host: int, prefix: str = PREFIX) -> float:
+    out = cluster("run", "-n", "2", "--per-host", str(per_host), "--", sys.executable, __file__, "--probe",
+                  prefix=prefix)
     return json.loads(out.strip().splitlines()[-1])["allreduce_s"] / 2
 
 
@@ -91,9 +102,9 @@ def plan_step(flags: list, device) -> dict:
     return plan(model, parallel, train, layout_of(args, 4, model, parallel, train), device)
 
 
-def measure(flags: list, iters: int) -> float:
+def measure(flags: list, iters: int, prefix: str = PREFIX) -> float:
     out = cluster("run", "-n", "4", "--", sys.executable, "benchmarks/benchmark.py", "--warmup", "2",
-                  "--iters", str(iters), *flags)
+                  "--iters", str(iters), *flags, prefix=prefix)
     return json.loads(out.strip().splitlines()[-1])["ms_per_iter_median"]
 
 
@@ -102,6 +113,7 @@ def main():
     p.add_argument("--model", choices=sorted(MODELS), default="default")
     p.add_argument("--hosts-of", default="4,2,1", help="ranks per host of each placement, e.g. 4,2,1")
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--prefix", default=PREFIX, help="the cluster's prefix (default %(default)s)")
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.probe:
@@ -116,11 +128,9 @@ def main():
     rows = []
     for per_host in (int(r) for r in args.hosts_of.split(",")):
         hosts = 4 // per_host
-        cluster("down", check=False)
-        cluster("up", "--hosts", str(hosts), "--ranks-per-host", str(per_host),
-                "--inter-host-rate", f"{8 * inter * per_host / 1e3:.0f}kbit", "--intra-host-rate", f"{8 * intra / 1e3:.0f}kbit")
-        alpha_inter = latency(1) if hosts > 1 else 0.0
-        alpha_intra = latency(2) if per_host > 1 else 0.0
+        scaled_cluster(hosts, per_host, inter, intra, args.prefix)
+        alpha_inter = latency(1, args.prefix) if hosts > 1 else 0.0
+        alpha_intra = latency(2, args.prefix) if per_host > 1 else 0.0
         device = replace(cpu, ranks_per_host=per_host, intra_bandwidth=intra, inter_bandwidth=inter,
                          intra_latency=alpha_intra, inter_latency=alpha_inter)
         a100 = replace(A100, ranks_per_host=per_host)
@@ -131,12 +141,12 @@ def main():
             except UserError as error:
                 print(f"| {per_host} | {' '.join(map(str, mesh))} | rejected: {error} | | | | |")
                 continue
-            measured = measure(flags, args.iters)
+            measured = measure(flags, args.iters, args.prefix)
             rows.append((per_host, mesh, measured, 1e3 * planned["step_s"], 1e3 * on_a100["step_s"]))
             print(f"| {per_host} | {' '.join(map(str, mesh))} | {', '.join(planned['groups_across_hosts']) or '-'} "
                   f"| {measured:.0f} | {1e3 * planned['step_s']:.0f} | {1e3 * planned['step_s'] / measured:.2f} "
                   f"| {1e3 * on_a100['step_s']:.3f} |", flush=True)
-    cluster("down", check=False)
+    cluster("down", prefix=args.prefix, check=False)
     ratios = [planned / measured for _, _, measured, planned, _ in rows]
     print(f"\npredicted / measured: median {statistics.median(ratios):.2f}, "
           f"{sum(abs(r - 1) <= 0.2 for r in ratios)} of {len(ratios)} within 20%")

@@ -8,7 +8,9 @@ machine. For each step: its time (the slowest rank's), the seconds `CommStats` c
 for all tp collectives, and the exposed seconds of the column-parallel input-gradient
 collectives alone: the blocking call without overlap; starting it plus waiting for
 it with overlap. The share hidden is 1 - on / off of the medians over paired steps.
-Prints one JSON object. The flags are benchmarks/benchmark.py's.
+Prints one JSON object. The flags are benchmarks/benchmark.py's; with --cluster-prefix
+(run through `python -m numpitron.cluster run`, or benchmarks/cluster_comm.py tp-overlap)
+it also reports the bytes each host's link sent per step.
 """
 
 import json
@@ -54,6 +56,8 @@ def main():
     for _ in range(args.warmup):
         trainer.train_step(tokens)
     rows = {True: [], False: []}
+    links = benchmark.HostLinks(args.cluster_prefix, world)
+    links.start()
     for i in range(2 * args.iters):
         overlap = region.overlap = i % 2 == 0
         stats.reset()
@@ -63,6 +67,7 @@ def main():
         trainer.train_step(tokens)
         step = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
         rows[overlap].append((step, tp_seconds(stats), exposed["s"]))
+    link_bytes = links.stop(2 * args.iters)                 # both settings move the same bytes
     mine = {k: np.median(np.array(v), axis=0).tolist() for k, v in rows.items()}
     ranks = world.gather(mine, root=0)
     if world.Get_rank() != 0:
@@ -78,7 +83,7 @@ def main():
         "tp_comm_ms_per_step": {"overlap": round(on[1] * 1e3, 2), "no_overlap": round(off[1] * 1e3, 2)},
         "input_grad_exposed_ms_per_step": {"overlap": round(on[2] * 1e3, 2), "no_overlap": round(off[2] * 1e3, 2)},
         "share_of_tp_comm_hidden": round(1 - on[1] / off[1], 3),
-        "share_of_input_grad_comm_hidden": round(1 - on[2] / off[2], 3)}, indent=1))
+        "share_of_input_grad_comm_hidden": round(1 - on[2] / off[2], 3), **link_bytes}, indent=1))
 
 
 if __name__ == "__main__":
