@@ -13,7 +13,8 @@ as fast). Each case runs benchmarks/benchmark.py (cp) or benchmarks/tp_overlap.p
 every host's link sent during the timed steps. The variants of a case run one after the
 other in every round, in reversed order on odd rounds, so a pair of runs sees nearly the
 same load from other jobs; the summary is the median over rounds and the median of the
-paired ratios to the case's first variant. Prints one JSON line per run, then a Markdown
+paired ratios to the case's first variant. Before every round a probe measures what a
+host's link really carries: rank i and rank i + n/2, on the other host, exchange 4 MB. Prints one JSON line per run, then a Markdown
 table (`cluster_comm.py table --log FILE` prints it again from those lines).
 """
 
@@ -22,6 +23,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import cluster_layouts as layouts
@@ -53,6 +55,33 @@ def run_once(what: str, n: int, per_host: int, flags: list, variant: str, iters:
     return json.loads(text.strip().splitlines()[-1] if what == "cp" else text)
 
 
+def probe(megabytes: int = 4, reps: int = 3) -> None:
+    """Under `cluster run`: rank i and rank i + n/2 (on the other host) exchange a buffer;
+    prints the payload bytes per second each rank moved, the median of `reps`."""
+    import numpy as np
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    n, rank = world.Get_size(), world.Get_rank()
+    peer = (rank + n // 2) % n
+    out, into = np.ones(megabytes * 2**18, np.float32), np.empty(megabytes * 2**18, np.float32)
+    times = []
+    for _ in range(reps + 1):
+        world.Barrier()
+        start = time.perf_counter()
+        world.Sendrecv(out, peer, recvbuf=into, source=peer)
+        times.append(time.perf_counter() - start)
+    rates = world.gather(out.nbytes / statistics.median(times[1:]), root=0)
+    if rank == 0:
+        print(json.dumps({"probe_bytes_per_s_per_rank": statistics.median(rates)}))
+
+
+def link_rate(n: int, per_host: int, prefix: str) -> float:
+    """Payload bytes per second a host's link carried in the probe, all its ranks together."""
+    out = cluster("run", "-n", str(n), "--per-host", str(per_host), "--", sys.executable, __file__, "--probe",
+                  prefix=prefix)
+    return per_host * json.loads(out.strip().splitlines()[-1])["probe_bytes_per_s_per_rank"]
+
+
 def summary_cp(runs: list) -> dict:
     """Median step time, seconds in cp collectives, link payload and counted cp bytes."""
     def cp_seconds(r):
@@ -75,19 +104,29 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=8, help="tp-overlap: paired steps per run")
     p.add_argument("--cases", default=None, help="only the cases whose name contains this")
+    p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    if "--probe" in sys.argv:
+        return probe()
     args = p.parse_args()
     if args.what == "table":
         return print_table(*from_log(args.log))
     cpu = load_device("this-machine")
     intra, inter_a100 = scaled_rates(cpu.peak_flops)
     cases = [c for c in CASES[args.what] if not args.cases or args.cases in c[0]]
-    table = []
+    table, probes = [], []
     for scale in (float(s) for s in args.inter_scale.split(",")):
         inter = inter_a100 * scale
         for shape in sorted({c[1] for c in cases}, reverse=True):
             scaled_cluster(*shape, inter, intra, args.prefix)
             runs = {}
             for round_ in range(args.rounds):
+                hosts, per_host = shape
+                rate = link_rate(hosts * per_host, per_host, args.prefix)
+                probes.append({"inter_mbit_per_rank": round(8 * inter / 1e6, 1), "shape": shape, "round": round_,
+                               "host_link_nominal_mb_per_s": round(inter * per_host / 1e6, 3),
+                               "host_link_probe_payload_mb_per_s": round(rate / 1e6, 3),
+                               "loadavg_now": round(os.getloadavg()[0], 2)})
+                print(json.dumps(probes[-1]), flush=True)
                 for name, _, n, per_host, flags, variants in (c for c in cases if c[1] == shape):
                     for variant in (variants if round_ % 2 == 0 else variants[::-1]):
                         result = run_once(args.what, n, per_host, flags, variant, args.iters, args.prefix)
@@ -98,22 +137,36 @@ def main():
             table += [(8 * inter / 1e6, name, variant, rs) for (name, variant), rs in runs.items()]
     cluster("down", prefix=args.prefix, check=False)
     print(f"\nintra-host {8 * intra / 1e6:.0f} Mbit/s per rank")
-    print_table(args.what, table)
+    print_table(args.what, table, probes)
 
 
-def from_log(path: str) -> tuple[str, list]:
+def from_log(path: str) -> tuple[str, list, list]:
     """The runs a previous invocation printed, grouped as `main` groups them."""
-    runs = {}
+    runs, probes = {}, []
     for line in Path(path).read_text().splitlines():
         if line.startswith("{"):
             r = json.loads(line)
+            if "shape" in r:
+                probes.append(r)
+                continue
             runs.setdefault((r["inter_mbit_per_rank"], r["case"], r["variant"]), []).append(r)
     what = "cp" if any(key[2] == "ring" for key in runs) else "tp-overlap"
-    return what, [(*key, rs) for key, rs in runs.items()]
+    return what, [(*key, rs) for key, rs in runs.items()], probes
 
 
-def print_table(what: str, table: list) -> None:
-    loads = [r["loadavg_now"] for *_, rs in table for r in rs]
+def median_of(key: str, runs: list) -> float:
+    """The median over the runs that report `key` (older logs lack the newer keys)."""
+    values = [r[key] for r in runs if key in r]
+    return statistics.median(values) if values else float("nan")
+
+
+def print_table(what: str, table: list, probes: list) -> None:
+    for rate, shape in sorted({(p["inter_mbit_per_rank"], tuple(p["shape"])) for p in probes}, reverse=True):
+        ps = [p for p in probes if (p["inter_mbit_per_rank"], tuple(p["shape"])) == (rate, shape)]
+        print(f"{rate} Mbit/s per rank, {shape[0]} hosts x {shape[1]}: a host's link nominal "
+              f"{ps[0]['host_link_nominal_mb_per_s']} MB/s, probed payload "
+              f"{', '.join(str(p['host_link_probe_payload_mb_per_s']) for p in ps)} MB/s")
+    loads = [r["loadavg_now"] for *_, rs in table for r in rs] + [p["loadavg_now"] for p in probes]
     print(f"load average during the runs {min(loads):.1f} to {max(loads):.1f} (this machine's cores: {os.cpu_count()})")
     if what == "cp":
         print("| inter Mbit/s per rank | case | type | step ms | paired ratio to ring (range) | paired ms less than ring "
@@ -128,8 +181,9 @@ def print_table(what: str, table: list) -> None:
                   f"| {' / '.join(map(str, s['link_payload_mb']))} | {s['cp_counted_mb_rank0']} |")
         return
     print("| inter Mbit/s per rank | case | step ms on / off | paired step ratio | tp comm ms on / off "
-          "| share of tp comm hidden, per run | input-gradient sums exposed ms on / off | link payload MB per host |")
-    print("| ---: | --- | --- | --- | --- | --- | --- | --- |")
+          "| share of tp comm hidden, per run | input-gradient sums exposed ms on / off | weight halves ms "
+          "| hideable share | link payload MB per host |")
+    print("| ---: | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for rate, name, _, rs in table:
         med = lambda key, sub: statistics.median(r[key][sub] for r in rs)      # noqa: E731
         payload = [round(statistics.median(r["host_link_payload_bytes_per_iter"][h] for r in rs) / 1e6, 3)
@@ -140,7 +194,9 @@ def print_table(what: str, table: list) -> None:
               f"| {med('tp_comm_ms_per_step', 'overlap'):.0f} / {med('tp_comm_ms_per_step', 'no_overlap'):.0f} "
               f"| {', '.join(str(r['share_of_tp_comm_hidden']) for r in rs)} "
               f"| {med('input_grad_exposed_ms_per_step', 'overlap'):.0f} / "
-              f"{med('input_grad_exposed_ms_per_step', 'no_overlap'):.0f} | {' / '.join(map(str, payload))} |")
+              f"{med('input_grad_exposed_ms_per_step', 'no_overlap'):.0f} "
+              f"| {median_of('weight_half_ms_per_step', rs):.0f} | {median_of('hideable_share_of_tp_comm', rs):.3f} "
+              f"| {' / '.join(map(str, payload))} |")
 
 if __name__ == "__main__":
     main()
