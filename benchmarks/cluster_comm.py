@@ -2,8 +2,8 @@
 against off, on the simulated cluster scaled to an A100 cluster (docs/13-context-parallelism.md,
 docs/04-tensor-parallelism.md). Needs root.
 
-    python benchmarks/cluster_comm.py cp --rounds 3
-    python benchmarks/cluster_comm.py tp-overlap --inter-scale 0.5 --rounds 3
+    python benchmarks/cluster_comm.py cp --inter-scale 1,0.5 --rounds 3 --prefix me-
+    python benchmarks/cluster_comm.py tp-overlap --inter-scale 1,0.5 --rounds 3 --prefix me-
 
 The links are benchmarks/cluster_layouts.py's: per rank, the A100's NVLink and InfiniBand
 bandwidths times this CPU's FLOP/s over the A100's, every rank in its own shaped
@@ -14,8 +14,9 @@ every host's link sent during the timed steps. The variants of a case run one af
 other in every round, in reversed order on odd rounds, so a pair of runs sees nearly the
 same load from other jobs; the summary is the median over rounds and the median of the
 paired ratios to the case's first variant. Before every round a probe measures what a
-host's link really carries: rank i and rank i + n/2, on the other host, exchange 4 MB. Prints one JSON line per run, then a Markdown
-table (`cluster_comm.py table --log FILE` prints it again from those lines).
+host's link really carries: rank i and rank i + n/2, on the other host, exchange 4 MB.
+Prints one JSON line per run and probe, then a Markdown table (`cluster_comm.py table
+--log FILE` prints it again from those lines).
 """
 
 import argparse

@@ -3,6 +3,7 @@ beside the planner's prediction (docs/17-many-hosts.md). Needs root.
 
     python benchmarks/cluster_layouts.py                      # the default model
     python benchmarks/cluster_layouts.py --model nanogpt      # 6 layers, 6 heads, d 384, T 256
+    python benchmarks/cluster_layouts.py --prefix me-         # your own cluster beside others'
 
 The scale: this CPU's sgemm rate (the this-machine profile's peak) over the A100's
 312 TFLOP/s. Each link gets the A100 link's bandwidth times that ratio, so a byte
