@@ -10,7 +10,9 @@ slowest rank's. MPI time is what the library's `CommStats` counts: the seconds i
 blocking calls and waiting for non-blocking ones, so `comm_fraction` includes time
 spent waiting for a peer (a pipeline stage blocked in Recv during the bubble) and
 excludes a gradient all-reduce that the backward hid. The flags are the training
-script's (numpitron/cli.py), plus --warmup, --iters and --glibc-malloc-defaults.
+script's (numpitron/cli.py), plus --warmup, --iters, --glibc-malloc-defaults and
+--cluster-prefix (on the simulated cluster: also count the bytes each host's link sent
+during the timed steps, read by rank 0 from the cluster's switch).
 """
 
 import json
@@ -45,7 +47,45 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--glibc-malloc-defaults", action="store_true",
                    help="skip the library's malloc tuning (numpitron/runtime.py), to measure what it buys")
+    p.add_argument("--cluster-prefix", default=None,
+                   help="running on the simulated cluster with this prefix: report each host link's bytes")
     return p.parse_args(argv)
+
+
+class HostLinks:
+    """The bytes and frames each host of the simulated cluster sent to the others
+    (numpitron/cluster/network.py `link_counters`) between `start` and `stop`, read on
+    rank 0 only. Both calls end a barrier and let the last acknowledgements arrive, so
+    the window holds exactly the steps between them."""
+
+    def __init__(self, prefix, world):
+        self.prefix, self.world, self.before = prefix, world, None
+
+    def _read(self):
+        from numpitron.cluster import control, network
+        self.world.Barrier()
+        time.sleep(0.3)
+        if self.world.Get_rank() != 0:
+            return None
+        spec = control.require(self.prefix)
+        return [network.link_counters(spec, h) for h in range(spec.hosts)]
+
+    def start(self):
+        if self.prefix:
+            self.before = self._read()
+
+    def stop(self, steps: int) -> dict:
+        """Per step and host: bytes sent, frames sent, and bytes less the frames' headers."""
+        if not self.prefix:
+            return {}
+        after = self._read()
+        if after is None:
+            return {}
+        from numpitron.cluster.network import FRAME_HEADER_BYTES
+        sent = [(a["tx_bytes"] - b["tx_bytes"], a["tx_packets"] - b["tx_packets"]) for a, b in zip(after, self.before)]
+        return {"host_link_tx_bytes_per_iter": [round(n / steps) for n, _ in sent],
+                "host_link_tx_frames_per_iter": [round(f / steps) for _, f in sent],
+                "host_link_payload_bytes_per_iter": [round((n - FRAME_HEADER_BYTES * f) / steps) for n, f in sent]}
 
 
 def sgemm_gflops(m: int, k: int, n: int, dtype, reps: int) -> float:
@@ -146,10 +186,13 @@ def main():
     tokens = np.random.default_rng(0).integers(0, VOCAB, N_TOKENS).astype(np.uint16)
     for _ in range(args.warmup):
         trainer.train_step(tokens)
+    links = HostLinks(args.cluster_prefix, world)
+    links.start()
     machine0 = cpu_jiffies() if world.Get_rank() == 0 else None
     mine = timed_steps(trainer, tokens, args.iters, world)
     world.Barrier()
     machine1 = cpu_jiffies() if world.Get_rank() == 0 else None
+    link_bytes = links.stop(args.iters)
     # The iteration time is the slowest rank's: reduce per-step times with MAX.
     slowest = np.array(mine.pop("step_s"))
     world.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
@@ -206,6 +249,7 @@ def main():
         "memory_bytes_per_rank": [r["memory_bytes"] for r in ranks],
         "peak_activation_bytes_per_rank": [r["peak_activation_bytes"] for r in ranks],
         "page_faults_per_iter_per_rank": [round(r["page_faults_per_iter"]) for r in ranks],
+        **link_bytes,
     }
     if machine0 and machine1 and machine1[1] > machine0[1]:
         busy, total = machine1[0] - machine0[0], machine1[1] - machine0[1]

@@ -21,6 +21,7 @@ under ~15% between layouts are within its noise.
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -42,9 +43,12 @@ MODELS = {"default": [], "nanogpt": ["--n-layers", "6", "--n-heads", "6", "--d-m
 BATCH = ["--micro-batch-size", "3", "--global-batch-size", "12"]       # hsdp.py's
 
 
-def cluster(*args, check=True) -> str:
-    done = subprocess.run([sys.executable, "-m", "numpitron.cluster", "--prefix", PREFIX, *args],
-                          capture_output=True, text=True, cwd=REPO)
+def cluster(*args, prefix=None, check=True) -> str:
+    """`python -m numpitron.cluster ARGS` on the cluster named by `prefix` (default PREFIX,
+    which --prefix sets: each person measuring at once uses their own)."""
+    env = {**os.environ, "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1", "OPENBLAS_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "numpitron.cluster", "--prefix", prefix or PREFIX, *args],
+                          capture_output=True, text=True, cwd=REPO, env=env)
     if check and done.returncode:
         raise SystemExit(f"cluster {' '.join(args[:3])} failed: {done.stderr.strip()[-2000:]}")
     return done.stdout
@@ -60,6 +64,14 @@ def scaled_rates(peak: float) -> tuple[float, float]:
     """(intra, inter) bytes/s per rank: the A100's links times this CPU's FLOP/s over the A100's."""
     ratio = peak / A100.peak_flops
     return A100.intra_bandwidth * ratio, A100.inter_bandwidth * ratio
+
+
+def scaled_cluster(hosts: int, per_host: int, inter: float, intra: float, prefix: str | None = None) -> None:
+    """Bring up (again) a cluster whose every rank has its own link of `intra` bytes/s and
+    whose host links carry `per_host` ranks' worth of `inter` bytes/s each."""
+    cluster("down", prefix=prefix, check=False)
+    cluster("up", "--hosts", str(hosts), "--ranks-per-host", str(per_host), "--inter-host-rate",
+            f"{8 * inter * per_host / 1e3:.0f}kbit", "--intra-host-rate", f"{8 * intra / 1e3:.0f}kbit", prefix=prefix)
 
 
 SWEEP = [8 << s for s in range(0, 16, 3)] + [1 << 20]     # 8 B .. 1 MiB: the latency's end to the bandwidth's
@@ -84,17 +96,18 @@ def probe():
         print(json.dumps(out))
 
 
-def link_fit(per_host: int) -> tuple[float, float]:
+def link_fit(per_host: int, prefix: str | None = None) -> tuple[float, float]:
     """(alpha, beta) of the tier two ranks `per_host` to a host reach each other over
     (1: the inter-host links, 2: the intra-host ones), fitted to the sweep
     (devices.fit_link): the per-message cost the planner charges is this alpha."""
-    out = cluster("run", "-n", "2", "--per-host", str(per_host), "--", sys.executable, __file__, "--probe")
+    out = cluster("run", "-n", "2", "--per-host", str(per_host), "--", sys.executable, __file__, "--probe",
+                  prefix=prefix)
     seconds = json.loads(out.strip().splitlines()[-1])
     return fit_link([int(size) for size in seconds], list(seconds.values()))
 
 
-def latency(per_host: int) -> float:
-    return link_fit(per_host)[0]
+def latency(per_host: int, prefix: str | None = None) -> float:
+    return link_fit(per_host, prefix)[0]
 
 
 def plan_step(flags: list, device) -> dict:
@@ -108,15 +121,15 @@ def plan_step(flags: list, device) -> dict:
     return plan(model, parallel, train, layout_of(args, 4, model, parallel, train), device)
 
 
-def measure_run(flags: list, iters: int, warmup: int = 2) -> dict:
+def measure_run(flags: list, iters: int, warmup: int = 2, prefix: str | None = None) -> dict:
     """benchmarks/benchmark.py's JSON for these flags on the cluster's 4 ranks."""
     out = cluster("run", "-n", "4", "--", sys.executable, "benchmarks/benchmark.py", "--warmup", str(warmup),
-                  "--iters", str(iters), *flags)
+                  "--iters", str(iters), *flags, prefix=prefix)
     return json.loads(out.strip().splitlines()[-1])
 
 
-def measure(flags: list, iters: int) -> float:
-    return measure_run(flags, iters)["ms_per_iter_median"]
+def measure(flags: list, iters: int, prefix: str | None = None) -> float:
+    return measure_run(flags, iters, prefix=prefix)["ms_per_iter_median"]
 
 
 def at_speed(device, measured: dict):
@@ -237,9 +250,7 @@ def placement(args, cpu, per_host, multiple, intra, inter, meshes, batch, fits) 
     """Bring a cluster up with hosts of per_host ranks at this inter-host rate, fit its
     tiers, and measure and plan each mesh on it."""
     hosts, rows = 4 // per_host, []
-    cluster("down", check=False)
-    cluster("up", "--hosts", str(hosts), "--ranks-per-host", str(per_host),
-            "--inter-host-rate", f"{8 * inter * per_host / 1e3:.0f}kbit", "--intra-host-rate", f"{8 * intra / 1e3:.0f}kbit")
+    scaled_cluster(hosts, per_host, inter, intra)
     alpha_inter, beta_inter = link_fit(1) if hosts > 1 else (0.0, inter)
     alpha_intra, beta_intra = link_fit(2) if per_host > 1 else (0.0, intra)
     fits[f"{per_host} per host at {multiple:g}x"] = {"alpha_inter_s": alpha_inter, "beta_inter_bytes_s": beta_inter,
