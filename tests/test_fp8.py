@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from numpitron.checkpoint import load_checkpoint, read_manifest, save_checkpoint
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
 from numpitron.nn.fp8 import E4M3, E5M2, PLAIN, DelayedScaling, Fp8Matmul, quantize, scales_from
@@ -99,6 +100,30 @@ def test_fp8_layouts_agree_on_the_scales_and_equal_one_process_within_the_bound(
         if MPI.COMM_WORLD.rank == 0 else 0.0
     assert_on_every_rank({"loss": loss_diff <= BF16_EPS,
                           "params": MPI.COMM_WORLD.bcast(param_diff, root=0) <= adam_bound})
+
+
+# The histories are saved by layer name, the same on every rank: a tp = 2 run's load on
+# dp = 2 with its scales, and continues as one uninterrupted process would (the bound
+# above); a bf16 run's checkpoint holds none, and fp8 calibrates again after it.
+@pytest.mark.parallel(nprocs=2)
+def test_fp8_amax_histories_are_checkpointed_and_load_on_another_mesh(shared_dir):
+    model, train = tiny_model("float32"), tiny_train(precision="fp8")
+    expected = train_steps(make_trainer(model, train, Topology.serial()), 6, LEARNABLE)
+    source = make_trainer(model, train, tensor=2)
+    train_steps(source, 3, LEARNABLE)
+    path = save_checkpoint(shared_dir, source)
+    assert sorted(read_manifest(path)["fp8_amax_history"]) == source.fp8.names
+    resumed = make_trainer(model, train, data=2)
+    load_checkpoint(path, resumed)
+    assert_on_every_rank({"history": (resumed.fp8.history.tolist(), source.fp8.history.tolist()),
+                          "scales": (resumed.fp8.scale.tolist(), source.fp8.scale.tolist())})
+    losses = train_steps(resumed, 3, LEARNABLE)
+    assert_on_every_rank({"losses": np.max(np.abs(np.subtract(losses, expected[3:])) / min(expected)) <= BF16_EPS})
+    bf16 = make_trainer(model, tiny_train(precision="bf16"), data=2)
+    train_steps(bf16, 1, LEARNABLE)
+    again = make_trainer(model, train, data=2)
+    load_checkpoint(save_checkpoint(shared_dir, bf16, keep=3), again)
+    assert_on_every_rank({"calibrates": not again.fp8.history.any() and not again.fp8.scale.any()})
 
 
 @pytest.mark.parametrize("precision, dtype, message", [

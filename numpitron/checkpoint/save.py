@@ -125,6 +125,9 @@ def checkpoint_fields(trainer) -> dict:
         # Aux-loss-free balancing's bias: no optimizer state, the same on every rank and
         # for any mesh, small (n_layers x E): stored here whole (JSON floats round-trip).
         "moe_routing_bias": trainer.model.routing_bias.tolist(),
+        # FP8's amax histories (nn/fp8.py): agreed over the world, so the same on every
+        # rank, by layer name: any mesh finds its layers' histories.
+        "fp8_amax_history": trainer.fp8.state() if trainer.fp8 else {},
     }
 
 
