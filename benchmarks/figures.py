@@ -191,6 +191,7 @@ def draw_precision_drift(plt, results: dict) -> None:
     ax.set(xlabel="iteration", ylabel="|loss - float64 loss| / float64 loss",
            title="Each format's training loss against the float64 trajectory")
     ax.legend(fontsize=7, ncol=4)
+    fig.subplots_adjust(bottom=0.2)           # room for the caption under the axis label
     caption(ax, f"python benchmarks/precision_drift.py --iters {results['iters']} "
                 "(default model, Tiny Shakespeare, one process)")
     fig.savefig(FIGURES / "precision_drift.svg", bbox_inches="tight")
