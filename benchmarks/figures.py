@@ -205,11 +205,41 @@ def cluster_rates(plt) -> dict:
     return {"meshes": meshes}
 
 
+def precision_drift(plt, data_dir: Path, iters: int) -> dict:
+    """Each precision's training loss against float64's over the same run (docs/18)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "drift.json"
+        subprocess.run(launch(1, "benchmarks/precision_drift.py", ["--iters", str(iters), "--data-dir", str(data_dir),
+                                                                   "--out", str(out)]),
+                       check=True, cwd=REPO, capture_output=True)
+        results = json.loads(out.read_text())
+    draw_precision_drift(plt, results)
+    return results["summary"]
+
+
+def draw_precision_drift(plt, results: dict) -> None:
+    runs = results["runs"]
+    exact = [float(x) for x in runs["float64/fp32"]["losses"]]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for name, run in runs.items():
+        if name != "float64/fp32":
+            drift = [max(abs(a - b) / b, 1e-9) for a, b in zip(run["losses"], exact)]
+            ax.semilogy(range(1, len(drift) + 1), drift, label=name.split("/")[1], lw=0.9)
+    ax.set(xlabel="iteration", ylabel="|loss - float64 loss| / float64 loss",
+           title="Each format's training loss against the float64 trajectory")
+    ax.legend(fontsize=7, ncol=4)
+    fig.subplots_adjust(bottom=0.2)           # room for the caption under the axis label
+    caption(ax, f"python benchmarks/precision_drift.py --iters {results['iters']} "
+                "(default model, Tiny Shakespeare, one process)")
+    fig.savefig(FIGURES / "precision_drift.svg", bbox_inches="tight")
+
+
 # The figures that can be made alone (`--only NAME`), each from (plt, data_dir):
 ALONE = {
     "memory_zero": lambda plt, data_dir: memory(plt),
     "experts_compare": lambda plt, data_dir: experts_compare(data_dir, 300),
     "cluster_rates": lambda plt, data_dir: cluster_rates(plt),
+    "precision_drift": lambda plt, data_dir: precision_drift(plt, data_dir, 200),
 }
 
 
@@ -240,6 +270,7 @@ def main():
     data["routing"] = routing(Path(args.data_dir).resolve(), 200 if args.quick else 2000)
     data["experts_compare"] = experts_compare(Path(args.data_dir).resolve(), 40 if args.quick else 300)
     data["cluster_rates"] = cluster_rates(plt)
+    data["precision_drift"] = precision_drift(plt, Path(args.data_dir).resolve(), 20 if args.quick else 200)
     (FIGURES / "figures.json").write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {', '.join(sorted(p.name for p in FIGURES.glob('*.svg')))} and figures.json in {FIGURES}")
 

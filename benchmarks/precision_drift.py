@@ -1,11 +1,12 @@
 """Each precision's training trajectory against float64's (docs/18-numbers.md): the
 default model on Tiny Shakespeare, one process, the same batches and initialisation.
 
-    python benchmarks/precision_drift.py --iters 200
+    python benchmarks/precision_drift.py --iters 200 [--out drift.json]
 
 Prints, per format, the largest and the final relative difference of the training
-loss from float64's, and the validation loss at the end. One process: the drift is the
-format's alone, not a layout's (the tests bound that separately).
+loss from float64's, and the validation loss at the end; --out also keeps every loss
+curve (benchmarks/figures.py draws them). One process: the drift is the format's
+alone, not a layout's (the tests bound that separately).
 """
 
 import argparse
@@ -19,7 +20,7 @@ from numpitron.data.prepared import load_prepared
 from numpitron.distributed.topology import Topology
 from numpitron.trainer import Trainer
 
-RUNS = (("float64", "fp32"), ("float32", "fp32"), ("float32", "bf16"), ("float32", "fp16"))
+RUNS = (("float64", "fp32"), ("float32", "fp32"), ("float32", "bf16"), ("float32", "fp16"), ("float32", "fp8"))
 
 
 def trajectory(dtype: str, precision: str, iters: int, splits: dict, vocab: int, eval_iters: int) -> dict:
@@ -36,16 +37,27 @@ def main():
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--eval-iters", type=int, default=20)
     p.add_argument("--data-dir", default="data")
+    p.add_argument("--out", help="a JSON file for every run's loss curve")
     args = p.parse_args()
     tokenizer, splits = load_prepared(ensure_prepared(args.data_dir, quiet=True), ModelConfig().seq_len)
-    results = {f"{dtype}/{precision}": trajectory(dtype, precision, args.iters, splits, tokenizer.vocab_size,
-                                                  args.eval_iters) for dtype, precision in RUNS}
+    results = {}
+    for dtype, precision in RUNS:
+        results[f"{dtype}/{precision}"] = trajectory(dtype, precision, args.iters, splits, tokenizer.vocab_size,
+                                                     args.eval_iters)
+        if args.out:                    # each run as it finishes: a long sweep keeps what it did
+            with open(args.out, "w") as f:
+                json.dump({"iters": args.iters, "runs": results}, f)
     exact = np.array(results["float64/fp32"]["losses"])
+    summary = {}
     for name, result in results.items():
         drift = np.abs(np.array(result["losses"]) - exact) / exact
-        print(json.dumps({"run": name, "max_rel_drift": float(drift.max()), "final_rel_drift": float(drift[-1]),
-                          "final_train_loss": result["losses"][-1], "val_loss": result["val_loss"],
-                          "skipped_steps": result["skipped_steps"]}))
+        summary[name] = {"max_rel_drift": float(drift.max()), "final_rel_drift": float(drift[-1]),
+                         "final_train_loss": result["losses"][-1], "val_loss": result["val_loss"],
+                         "skipped_steps": result["skipped_steps"]}
+        print(json.dumps({"run": name, **summary[name]}))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"iters": args.iters, "runs": results, "summary": summary}, f)
 
 
 if __name__ == "__main__":

@@ -129,7 +129,8 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     for name in ("lr", "min_lr", "weight_decay", "grad_clip", "beta1", "beta2"):
         g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
     g.add_argument("--precision", default=d.precision,
-                   help="fp32, or bf16 / fp16 with fp32 master weights (docs/18-numbers.md)")
+                   help="fp32, or bf16 / fp16 / fp8 (linear layers' products in FP8, the rest bf16) with fp32 master "
+                        "weights (docs/18-numbers.md)")
     g.add_argument("--loss-scale", type=float, default=d.loss_scale,
                    help="initial loss scale, a power of two (0: fp16 starts at 2^16, the others use none)")
     g.add_argument("--loss-scale-window", type=int, default=d.loss_scale_window,

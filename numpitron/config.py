@@ -169,7 +169,7 @@ class TrainConfig:
     save_interval: int = 0              # 0: only on improvement and at the end
     keep_checkpoints: int = 2
     seed: int = 1337
-    # Mixed precision (docs/18-numbers.md): fp32, or bf16 / fp16 with fp32 master weights.
+    # Mixed precision (docs/18-numbers.md): fp32, or bf16 / fp16 / fp8 with fp32 master weights.
     precision: str = "fp32"
     loss_scale: float = 0.0             # the initial loss scale; 0: the format's (fp16 2^16, else 1)
     loss_scale_window: int = 1000       # fp16: clean steps before the scale doubles

@@ -27,6 +27,7 @@ from numpitron.nn.embedding import Embeddings, PositionEmbedding, VocabParallelE
 from numpitron.nn.head import LanguageModelHead
 from numpitron.nn.kv_cache import KVCache
 from numpitron.nn.layer import Layer
+from numpitron.nn.linear import ColumnParallelLinear, RowParallelLinear
 from numpitron.nn.moe import MixtureOfExperts, RoutingLog
 from numpitron.nn.param import ParamStore
 from numpitron.nn.recompute import Recomputed
@@ -160,6 +161,19 @@ class GPTStage(Layer):
 
     def parameters(self):
         return [p for store in self.stores for p in store.params]
+
+    def linear_layers(self) -> dict:
+        """This rank's linear layers by name, the ones whose products --precision fp8 takes
+        in fp8 (nn/fp8.py), as Transformer Engine's recipe does; the head, attention's
+        scores and the routed experts keep bf16."""
+        found, todo = {}, list(self.blocks)
+        while todo:
+            layer = todo.pop()
+            if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+                found[layer.weight.name.removesuffix(".weight")] = layer
+            else:
+                todo += [v for v in vars(layer).values() if isinstance(v, Layer)]
+        return found
 
     def input_shape(self, B: int, T: int) -> tuple:
         """What a chunk receives from the previous virtual stage: activations (B, T, C),

@@ -34,6 +34,7 @@ class Format:
     name: str
     dtype: np.dtype         # the low format's NumPy dtype
     loss_scale: float       # the default initial loss scale (1: none needed)
+    fp8_matmuls: bool = False   # the linear layers' products in FP8 (nn/fp8.py)
 
     @property
     def itemsize(self) -> int:
@@ -69,6 +70,9 @@ FORMATS = {
     "fp32": Format("fp32", np.dtype(np.float32), 1.0),
     "bf16": Format("bf16", np.dtype(ml_dtypes.bfloat16), 1.0),
     "fp16": Format("fp16", np.dtype(np.float16), 2.0 ** 16),
+    # FP8 (Micikevicius et al. 2022): the linear layers' operands in E4M3 and E5M2 with
+    # per-tensor scales (nn/fp8.py); everything else, as in Transformer Engine, in bf16.
+    "fp8": Format("fp8", np.dtype(ml_dtypes.bfloat16), 1.0, fp8_matmuls=True),
 }
 PRECISIONS = tuple(FORMATS)
 

@@ -21,6 +21,7 @@ from numpitron.distributed.agree import on_every_rank
 from numpitron.distributed.zigzag import local_positions
 from numpitron.distributed.sharding import shard_bounds
 from numpitron.model import GPTStage
+from numpitron.nn.fp8 import DelayedScaling
 from numpitron.nn.router import update_balance_bias
 from numpitron.optim.distributed import step_together
 from numpitron.optim.master_weights import step_mixed
@@ -54,6 +55,10 @@ class Trainer:
         self.precision = FORMATS[train_cfg.precision]
         self.model.precision = self.precision
         self.scaler = LossScaler(self.precision, train_cfg.loss_scale, train_cfg.loss_scale_window)
+        # FP8: the linear layers' products take per-tensor scales from amax histories.
+        self.fp8 = DelayedScaling(list(self.model.linear_layers()), topo.world) if self.precision.fp8_matmuls else None
+        if self.fp8:
+            self.fp8.install(self.model.linear_layers())
         self.iteration = 0          # number of completed optimizer steps
         self.best_val_loss = float("inf")
         self.set_batch(0)
@@ -89,10 +94,14 @@ class Trainer:
         self.set_batch(self.iteration)
         batches = self.microbatches(train_tokens, "train", self.iteration)
         mixed = self.precision.mixed
+        if self.fp8:
+            self.fp8.begin_step()
         loss_weight = self.model.loss_weight * (self.scaler.scale if mixed else 1.0)
         losses, stats = run_schedule(self.model, self.topo, batches, self.parallel_cfg.schedule,
                                      loss_weight=loss_weight, grads_ready=self.grads_ready)
         self.model.finalize_grads(self.grads_ready)
+        if self.fp8:
+            self.fp8.end_step()
         lr = self.lr(self.iteration)
         grad_norm = step_mixed(self.optimizers, lr, self.scaler) if mixed else step_together(self.optimizers, lr)
         self.iteration += 1

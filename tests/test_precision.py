@@ -41,7 +41,7 @@ def test_dynamic_loss_scale_halves_and_skips_on_overflow_and_doubles_after_a_cle
 
 
 @pytest.mark.parametrize("precision, dtype, scale, message", [
-    ("fp8", "float32", 0, "unknown precision 'fp8'"),
+    ("fp4", "float32", 0, "unknown precision 'fp4'"),
     ("bf16", "float64", 0, "use --dtype float32"),
     ("fp16", "float32", 3.0, "positive power of two"),
     ("fp16", "float32", -4.0, "positive power of two"),

@@ -97,6 +97,7 @@ def _load_training_state(path: Path, trainer) -> dict:
     model = trainer.model
     bias = saved_routing_bias(manifest, model, path)
     scaler = saved_loss_scaler(manifest.get("loss_scaler"), str(path))
+    amax_history = saved_amax_history(manifest, path)
     # Everything is read into fresh buffers first: a failure leaves the trainer untouched.
     # Each store (the dense parameters, the experts: asked for by global index, whatever
     # ep) gets the ranges its optimizer keeps.
@@ -107,6 +108,8 @@ def _load_training_state(path: Path, trainer) -> dict:
         optimizer.state.load(lambda buffer, lo, hi, values=values: values[buffer, lo, hi], manifest["adam_step"])
     model.routing_bias[...] = bias
     trainer.scaler.restore(scaler)
+    if trainer.fp8:                 # another precision's run has none: it calibrates again
+        trainer.fp8.load_state(amax_history)
     trainer.iteration = manifest["iteration"]
     best = manifest.get("best_val_loss")
     trainer.best_val_loss = math.inf if best is None else float(best)
@@ -124,6 +127,21 @@ def _load_weights(path: Path, model, expected_model_cfg) -> dict:
         store.data[...] = flat
     model.routing_bias[...] = bias
     return manifest
+
+
+def saved_amax_history(manifest: dict, path: Path) -> dict:
+    """FP8's amax histories, {layer name: 3 rows of finite amaxes}, checked; none in a
+    checkpoint of another precision or from before they were saved."""
+    saved = manifest.get("fp8_amax_history") or {}
+    try:
+        checked = {name: np.array(rows, dtype=np.float32) for name, rows in saved.items()}
+    except (AttributeError, TypeError, ValueError):
+        checked = None
+    if checked is None or not all(h.ndim == 2 and h.shape[0] == 3 and np.all(np.isfinite(h)) and np.all(h >= 0)
+                                  for h in checked.values()):
+        raise UserError(f"corrupt checkpoint manifest in {path}: fp8_amax_history is not, per layer, "
+                        f"3 rows of finite amaxes")
+    return checked
 
 
 def saved_routing_bias(manifest: dict, model, path: Path) -> np.ndarray:

@@ -13,6 +13,7 @@ forward and one backward. With sequence parallelism the same two points become a
 all-gather and a reduce-scatter each (nn/regions.py decides which; the layers ask it).
 """
 
+from numpitron.nn.fp8 import PLAIN
 from numpitron.nn.functional import column_sums
 from numpitron.nn.layer import Layer, rows
 from numpitron.nn.param import Param
@@ -38,6 +39,7 @@ class ColumnParallelLinear(Layer):
         tp = dict(tp_rank=topo.tp_rank, tp_size=topo.tp)
         self.weight = Param(f"{name}.weight", shape, split_axis=len(shape) - 1, std=std, **tp)
         self.bias = Param(f"{name}.bias", bias_shape, split_axis=len(bias_shape) - 1, init="zeros", decay=False, **tp)
+        self.matmul = PLAIN             # --precision fp8 installs its own (nn/fp8.py)
 
     def parameters(self) -> list[Param]:
         return [self.weight, self.bias]
@@ -48,7 +50,7 @@ class ColumnParallelLinear(Layer):
     def forward(self, x):
         # x: (B, T, in) (or (B, T/tp, in) sequence-parallel) -> y: (B, T, out / tp)
         full = self.region.gather(x)   # identity, or the all-gather along the sequence
-        y = rows(full) @ self._w()
+        y = self.matmul.forward(rows(full), self._w())
         if self.add_bias:
             y += self.bias.data.reshape(-1)
         # Keep x as it came: sequence-parallel, that is 1/tp of the input (gathered
@@ -57,7 +59,7 @@ class ColumnParallelLinear(Layer):
 
     def start_backward_input(self, dy, cache):
         cache["dy"] = dy
-        dx = (rows(dy) @ self._w().T).reshape(dy.shape[:-1] + (self.weight.data.shape[0],))  # this rank's share
+        dx = self.matmul.input_grad(rows(dy), self._w()).reshape(dy.shape[:-1] + (self.weight.data.shape[0],))  # this rank's share
         # Megatron's "f" (all-reduce) or reduce-scatter, perhaps still running when
         # backward_weights starts: nothing there reads dx.
         return self.region.start_input_grad(dx)
@@ -65,7 +67,7 @@ class ColumnParallelLinear(Layer):
     def backward_weights(self, cache):
         dy = rows(cache["dy"])
         x = rows(self.region.gather(cache["x"]))
-        self.weight.grad.reshape(-1, dy.shape[1])[...] += x.T @ dy
+        self.weight.grad.reshape(-1, dy.shape[1])[...] += self.matmul.weight_grad(x, dy)
         self.bias.grad.reshape(-1)[...] += column_sums(dy)
 
 
@@ -81,13 +83,14 @@ class RowParallelLinear(Layer):
         tp = dict(tp_rank=topo.tp_rank, tp_size=topo.tp)
         self.weight = Param(f"{name}.weight", (in_features, out_features), split_axis=0, std=std, **tp)
         self.bias = Param(f"{name}.bias", (out_features,), init="zeros", decay=False, **tp)
+        self.matmul = PLAIN
 
     def parameters(self) -> list[Param]:
         return [self.weight, self.bias]
 
     def forward(self, x):
         # x: (B, T, in / tp) -> y: (B, T, out) (or (B, T/tp, out) sequence-parallel)
-        y = rows(x) @ self.weight.data    # partial sum over this rank's inputs
+        y = self.matmul.forward(rows(x), self.weight.data)    # partial sum over this rank's inputs
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         y = self.region.reduce(y)        # Megatron's "g" (all-reduce) or reduce-scatter
         if self.add_bias:
@@ -98,10 +101,10 @@ class RowParallelLinear(Layer):
         cache["dy"] = dy                 # this rank's tokens (all of them unless sequence-parallel)
         full = self.region.output_grad(dy)      # identity, or the all-gather along the sequence
         cache["dy_full"] = full
-        return (rows(full) @ self.weight.data.T).reshape(cache["x"].shape)
+        return self.matmul.input_grad(rows(full), self.weight.data).reshape(cache["x"].shape)
 
     def backward_weights(self, cache):
-        self.weight.grad += rows(cache["x"]).T @ rows(cache["dy_full"])
+        self.weight.grad += self.matmul.weight_grad(rows(cache["x"]), rows(cache["dy_full"]))
         # The bias met only this rank's tokens: under sequence parallelism a partial
         # sum, completed over tp in GPTStage.finalize_grads.
         self.bias.grad += column_sums(rows(cache["dy"]))
