@@ -84,6 +84,24 @@ def test_hsdp_trains_as_one_process():
     check_mesh(dict(data=4, data_shard=2, zero_stage=3), grad_clip=0.05)
 
 
+@pytest.mark.parallel(nprocs=8)
+def test_hsdp_with_tp_and_with_pp_trains_as_one_process(monkeypatch):
+    """S = 2 of dp = 4 beside tp = 2 (two hosts of four ranks: a shard group is tp x S = 4
+    consecutive ranks) and beside pp = 2 (four hosts of two ranks), hosts named as the
+    cluster names them: each shard group on one host, each replica group across hosts,
+    and ten float64 iterations equal to one process."""
+    import socket
+    rank = MPI.COMM_WORLD.rank
+    for mesh, per_host in ((dict(tensor=2, data=4, data_shard=2, zero_stage=3), 4),
+                           (dict(pipeline=2, data=4, data_shard=2, zero_stage=2), 2)):
+        monkeypatch.setattr(socket, "gethostname", lambda: f"host{rank // per_host}")
+        topo = check_mesh(mesh, model=SMALLER).trainer.topo
+        hosts_of = {name: {r // per_host for r in members(comm)}
+                    for name, comm in (("shard", topo.dp_shard_comm), ("replica", topo.dp_replica_comm))}
+        assert_on_every_rank({f"{mesh}: shard group on one host": len(hosts_of["shard"]) == 1,
+                              f"{mesh}: replicas on two hosts": len(hosts_of["replica"]) == 2})
+
+
 @pytest.mark.parallel(nprocs=4)
 def test_memory_is_zero_over_s_ranks_and_only_the_slice_crosses_replicas():
     """HSDP (dp = 4, S = 2) keeps per rank what ZeRO over 2 ranks keeps, to the byte
