@@ -13,7 +13,8 @@ cluster's --intra-host-rate mode), so both tiers are links.
 
 For each placement (--hosts-of: ranks per host, hosts filled in order) it brings up a
 cluster, measures each layout with benchmarks/benchmark.py through `cluster run`, and
-plans it with the same profile, the links' latency measured by an 8-byte all-reduce.
+plans it with the same profile, each tier's per-message latency alpha fitted to a sweep
+of all-reduces from 8 bytes to 256 KiB (devices.fit_link).
 Prints a Markdown table. One round by default: the machine is shared, so differences
 under ~15% between layouts are within its noise.
 """
@@ -31,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from numpitron.errors import UserError  # noqa: E402
-from numpitron.plan.devices import PAPER, load_device  # noqa: E402
+from numpitron.plan.devices import PAPER, fit_link, load_device  # noqa: E402
 
 A100 = PAPER["a100-80gb-node"]
 PREFIX = "npt-bench-"
@@ -61,23 +62,39 @@ def scaled_rates(peak: float) -> tuple[float, float]:
     return A100.intra_bandwidth * ratio, A100.inter_bandwidth * ratio
 
 
+SWEEP = [8 << s for s in range(0, 16, 3)]         # 8 B .. 256 KiB: the latency's end to the bandwidth's
+
+
 def probe():
-    """Seconds of one 8-byte all-reduce between two ranks (2 alpha for n = 2)."""
+    """Median seconds of all-reduces of each size in SWEEP between two ranks."""
     import numpy as np
     from mpi4py import MPI
-    world, x = MPI.COMM_WORLD, np.ones(1)
-    for _ in range(20):
-        world.Allreduce(MPI.IN_PLACE, x)
-    start = time.perf_counter()
-    for _ in range(200):
-        world.Allreduce(MPI.IN_PLACE, x)
+    world, out = MPI.COMM_WORLD, {}
+    for size in SWEEP:
+        x, times = np.ones(size // 8), []
+        for _ in range(5):
+            world.Allreduce(MPI.IN_PLACE, x)
+        for _ in range(40 if size < 1 << 15 else 10):
+            world.Barrier()
+            start = time.perf_counter()
+            world.Allreduce(MPI.IN_PLACE, x)
+            times.append(time.perf_counter() - start)
+        out[size] = world.allreduce(statistics.median(times), op=MPI.MAX)
     if world.Get_rank() == 0:
-        print(json.dumps({"allreduce_s": (time.perf_counter() - start) / 200}))
+        print(json.dumps(out))
+
+
+def link_fit(per_host: int) -> tuple[float, float]:
+    """(alpha, beta) of the tier two ranks `per_host` to a host reach each other over
+    (1: the inter-host links, 2: the intra-host ones), fitted to the sweep
+    (devices.fit_link): the per-message cost the planner charges is this alpha."""
+    out = cluster("run", "-n", "2", "--per-host", str(per_host), "--", sys.executable, __file__, "--probe")
+    seconds = json.loads(out.strip().splitlines()[-1])
+    return fit_link([int(size) for size in seconds], list(seconds.values()))
 
 
 def latency(per_host: int) -> float:
-    out = cluster("run", "-n", "2", "--per-host", str(per_host), "--", sys.executable, __file__, "--probe")
-    return json.loads(out.strip().splitlines()[-1])["allreduce_s"] / 2
+    return link_fit(per_host)[0]
 
 
 def plan_step(flags: list, device) -> dict:
@@ -102,10 +119,13 @@ def main():
     p.add_argument("--model", choices=sorted(MODELS), default="default")
     p.add_argument("--hosts-of", default="4,2,1", help="ranks per host of each placement, e.g. 4,2,1")
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--prefix", default=PREFIX, help="the cluster's names start with this (default npt-bench-)")
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.probe:
         return probe()
+    global PREFIX
+    PREFIX = args.prefix
     cpu = load_device("this-machine")
     intra, inter = scaled_rates(cpu.peak_flops)
     print(f"scale: {cpu.peak_flops / 1e9:.0f} GFLOP/s here over the A100's {A100.peak_flops / 1e12:.0f} TFLOP/s; "
@@ -119,8 +139,11 @@ def main():
         cluster("down", check=False)
         cluster("up", "--hosts", str(hosts), "--ranks-per-host", str(per_host),
                 "--inter-host-rate", f"{8 * inter * per_host / 1e3:.0f}kbit", "--intra-host-rate", f"{8 * intra / 1e3:.0f}kbit")
-        alpha_inter = latency(1) if hosts > 1 else 0.0
-        alpha_intra = latency(2) if per_host > 1 else 0.0
+        alpha_inter, beta_inter = link_fit(1) if hosts > 1 else (0.0, inter)
+        alpha_intra, beta_intra = link_fit(2) if per_host > 1 else (0.0, intra)
+        print(f"fitted on {hosts} hosts of {per_host}: inter-host alpha {1e6 * alpha_inter:.0f} us, "
+              f"beta {8 * beta_inter / 1e6:.1f} Mbit/s; intra-host alpha {1e6 * alpha_intra:.0f} us, "
+              f"beta {8 * beta_intra / 1e6:.1f} Mbit/s", flush=True)
         device = replace(cpu, ranks_per_host=per_host, intra_bandwidth=intra, inter_bandwidth=inter,
                          intra_latency=alpha_intra, inter_latency=alpha_inter)
         a100 = replace(A100, ranks_per_host=per_host)

@@ -5,7 +5,7 @@ and the peak activation bytes of the schedule, on every layout below."""
 import pytest
 
 from numpitron.optim.memory_report import memory_bytes
-from numpitron.plan.accounting import Rank, comm_bytes, peak_activation_bytes, state_bytes
+from numpitron.plan.accounting import Rank, comm_bytes, comm_calls, peak_activation_bytes, state_bytes
 from tests.harness import assert_on_every_rank, make_trainer, tiny_model, tiny_tokens, tiny_train
 
 
@@ -256,3 +256,72 @@ def _calls_and_sync_points(layout):
 def test_sync_points_are_the_blocking_calls_a_run_makes(layout):
     calls, planned = _calls_and_sync_points(layout)
     assert calls == planned, (calls, planned)
+
+
+def test_each_call_pays_alpha_once_per_message_of_its_algorithm():
+    """The alpha term by hand, bandwidth made free: tp = 2 x dp = 2 on hosts of two
+    ranks, 4 blocks, 3 micro-batches. Inside a host, tp's all-reduces (f and g: 4 a block,
+    1 for the embedding, 1 for the head, 3 for the loss, each micro-batch) send 2(2-1)
+    messages each. Across hosts dp's one bucket and the loss, and the norm's all-reduce
+    (its model group is priced as the whole world's): an all-reduce over 2 ranks, 2
+    messages each."""
+    from dataclasses import replace
+
+    from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
+    from numpitron.plan.devices import load_device
+    from numpitron.plan.predict import messages, plan
+    alpha_intra, alpha_inter = 1e-3, 1e-2
+    cluster = replace(load_device("this-machine"), ranks_per_host=2, intra_bandwidth=1e30, inter_bandwidth=1e30,
+                      intra_latency=alpha_intra, inter_latency=alpha_inter, cores_per_node=0)
+    m, L = 3, 4
+    train = TrainConfig(micro_batch_size=2, global_batch_size=2 * m * 2)
+    result = plan(ModelConfig(n_layers=L), ParallelConfig(), train,
+                  (2, 1, 2, 1), cluster)
+    tiers = result["stages"][0]["tiers"]
+    assert tiers["intra"]["seconds"] == pytest.approx(m * (4 * L + 1 + 1 + 3) * 2 * alpha_intra)
+    assert tiers["inter"]["seconds"] == pytest.approx((1 + 1 + 1) * 2 * alpha_inter)
+    assert [messages("x.all_reduce", n) for n in (1, 2, 4, 8)] == [0, 2, 6, 14]
+    assert [messages("x.all_gather", 4), messages("x.reduce_scatter", 4), messages("pp.send", 4),
+            messages("pp.broadcast", 4), messages("pp.broadcast", 5)] == [3, 3, 1, 2, 3]
+
+
+def test_a_hierarchical_call_pays_each_tiers_alpha_for_its_ranks_there():
+    """dp = 4 on 2 hosts of 2: an all-reduce is 2(2-1) messages inside a host and 2(2-1)
+    across, per call (one bucket and the loss)."""
+    from dataclasses import replace
+
+    from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
+    from numpitron.plan.devices import load_device
+    from numpitron.plan.predict import plan
+    cluster = replace(load_device("this-machine"), ranks_per_host=2, intra_bandwidth=1e30, inter_bandwidth=1e30,
+                      intra_latency=1e-3, inter_latency=1e-2, cores_per_node=0)
+    result = plan(ModelConfig(), ParallelConfig(), TrainConfig(micro_batch_size=3), (1, 1, 4, 1), cluster)
+    assert result["stages"][0]["tiers"]["inter"]["seconds"] == pytest.approx(2 * (2 * 1e-3 + 2 * 1e-2))
+
+
+def test_the_link_fit_recovers_alpha_and_beta_from_noisy_all_reduces():
+    import numpy as np
+
+    from numpitron.plan.devices import fit_link
+    sizes = np.array([8 << s for s in range(0, 16, 3)], float)
+    rng = np.random.default_rng(0)
+    for ranks, alpha, beta in [(2, 1e-4, 7e6), (4, 3e-5, 9e7)]:
+        exact = 2 * (ranks - 1) * alpha + 2 * (ranks - 1) / ranks * sizes / beta
+        fitted = fit_link(sizes, exact * rng.uniform(0.98, 1.02, sizes.size), ranks)
+        assert fitted == pytest.approx((alpha, beta), rel=0.05)
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_planned_calls_equal_the_calls_a_run_makes():
+    """The calls the alpha term multiplies, against CommStats' count of one step:
+    tensor, pipeline, context and data parallelism (several buckets)."""
+    checks = {}
+    for layout in [dict(tensor=2), dict(pipeline=2), dict(context=2), dict(data=2, bucket_size=3000),
+                   dict(data=2, zero_stage=2, bucket_size=3000)]:
+        trainer = make_trainer(tiny_model(), tiny_train(), **layout)
+        trainer.topo.stats.reset()
+        trainer.train_step(tiny_tokens())
+        planned = comm_calls(trainer.model_cfg, trainer.parallel_cfg, trainer.train_cfg,
+                             Rank.of(trainer.topo, trainer.parallel_cfg))
+        checks[name(layout)] = ({k: v["calls"] for k, v in trainer.topo.stats.snapshot().items()}, planned)
+    assert_on_every_rank(checks)

@@ -99,19 +99,24 @@ def _half(nbytes: float, ranks: int) -> float:
 
 
 @cache
-def layer_elements(model, tp: int) -> dict:
-    """{piece: (elements on one tp rank, of which tp-replicated)} for a block, the token
-    embedding, the position embedding and the head (its ln_f), counted from the layers'
-    own Params: built as tp rank 0 of a mesh without communicators (every tp rank holds
-    as many), never allocated."""
+def layer_parameter_sizes(model, tp: int) -> dict:
+    """{piece: ((elements, tp-replicated?) of each Param on one tp rank, in order)} for a
+    block, the token embedding, the position embedding and the head (its ln_f), from the
+    layers' own Params: built as tp rank 0 of a mesh without communicators (every tp
+    rank holds as many), never allocated."""
     topo, C = Topology(None, tp, 1, 1), model.d_model
     token = VocabParallelEmbedding("embedding.token", model.vocab_size, C, topo)
     pieces = {"block": Block("blocks.0", C, model.n_heads, model.n_layers, topo), "token": token,
               "position": PositionEmbedding("embedding.position", model.seq_len, C),
               "head": LanguageModelHead(token, C, topo)}
-    return {piece: (sum(math.prod(p.local_shape) for p in layer.parameters()),
-                    sum(math.prod(p.local_shape) for p in layer.parameters() if p.split_axis is None))
+    return {piece: tuple((math.prod(p.local_shape), p.split_axis is None) for p in layer.parameters())
             for piece, layer in pieces.items()}
+
+
+def layer_elements(model, tp: int) -> dict:
+    """{piece: (elements on one tp rank, of which tp-replicated)} of each piece above."""
+    return {piece: (sum(n for n, _ in sizes), sum(n for n, replicated in sizes if replicated))
+            for piece, sizes in layer_parameter_sizes(model, tp).items()}
 
 
 @cache
@@ -238,6 +243,34 @@ def peak_activation_bytes(model, parallel, train, rank: Rank) -> int:
 
 def comm_bytes(model, parallel, train, rank: Rank) -> dict:
     """{"<group>.<kind>": bytes} this rank moves in one training iteration."""
+    return {kind: nbytes for kind, (nbytes, _) in comm_traffic(model, parallel, train, rank).items()}
+
+
+def comm_calls(model, parallel, train, rank: Rank) -> dict:
+    """{"<group>.<kind>": calls} this rank makes in one training iteration: each call
+    pays its latency once per message of its algorithm (plan/predict.py)."""
+    return {kind: calls for kind, (_, calls) in comm_traffic(model, parallel, train, rank).items()}
+
+
+def gradient_buckets(model, rank: Rank, bucket_size: int, padding: int = 0) -> int:
+    """Buckets of the data-parallel reduction (parallel/data_parallel.py): walking this
+    stage's flat buffer (token embedding, positions, blocks, ln_f) from the end, one is
+    cut at a parameter's start once it holds bucket_size elements (the padding rides in
+    the first), the rest go in the last."""
+    sizes = layer_parameter_sizes(model, rank.tp)
+    copies = [("token", rank.first or rank.last), ("position", rank.first),
+              *[("block", True)] * (model.n_layers // rank.pp), ("head", rank.last)]
+    params = [n for piece, held in copies if held for n, _ in sizes[piece]]
+    buckets, hi, lo = 0, sum(params) + padding, sum(params)
+    for n in reversed(params):
+        lo -= n
+        if hi - lo >= bucket_size or lo == 0:
+            buckets, hi = buckets + 1, lo
+    return buckets
+
+
+def comm_traffic(model, parallel, train, rank: Rank) -> dict:
+    """{"<group>.<kind>": (bytes, calls)} of one training iteration on this rank."""
     item, tp, cp, pp = model.itemsize, rank.tp, rank.cp, rank.pp
     m, B, C, L = train.num_microbatches(rank.dp), train.micro_batch_size, model.d_model, model.n_layers // pp
     # L: blocks on this rank, all its chunks together
@@ -245,44 +278,45 @@ def comm_bytes(model, parallel, train, rank: Rank) -> dict:
     act, sp, full = B * T * C * item, parallel.sequence_parallel, parallel.recompute == "full"
     out = {}
 
-    def add(key, nbytes):
+    def add(key, nbytes, calls=1):
         if nbytes:
-            out[key] = out.get(key, 0.0) + nbytes
+            was = out.get(key, (0.0, 0))
+            out[key] = (was[0] + nbytes, was[1] + calls)
     if tp > 1:                       # per micro-batch, then times m
         if sp:       # gathers and reduce-scatters along the sequence (nn/regions.py)
             gathers = L * (6 + 2 * full) + (1 if rank.first else 0) + (2 if rank.last else 0)
             scatters = L * (4 + 2 * full) + (1 if rank.first else 0) + (1 if rank.last else 0)
-            add("tp.all_gather", m * gathers * _half(act, tp))
-            add("tp.reduce_scatter", m * scatters * _half(act, tp))
+            add("tp.all_gather", m * gathers * _half(act, tp), m * gathers)
+            add("tp.reduce_scatter", m * scatters * _half(act, tp), m * scatters)
             add("tp.all_reduce", _all_reduce(parameter_elements(model, rank)[1] * item, tp))
         else:        # Megatron's f and g: all-reduces
             reduces = L * (4 + 2 * full) + (1 if rank.first else 0) + (1 if rank.last else 0)
-            add("tp.all_reduce", m * reduces * _all_reduce(act, tp))
+            add("tp.all_reduce", m * reduces * _all_reduce(act, tp), m * reduces)
         if rank.last:                # the loss: row max, target logit, sum of exponentials
-            add("tp.all_reduce", m * 3 * _all_reduce(B * T * item, tp))
-    if cp > 1:                       # the ring: K, V forward; K, V and dK, dV backward
-        block = act // tp
-        sends = m * L * (2 * (cp - 1) * (2 + full) + 2 * cp) * block
-        add("cp.send", sends)
-        add("cp.recv", sends)
+            add("tp.all_reduce", m * 3 * _all_reduce(B * T * item, tp), m * 3)
+    if cp > 1:                       # the ring: K, V forward; K, V and dK, dV backward, one block a message
+        messages = m * L * (2 * (cp - 1) * (2 + full) + 2 * cp)
+        add("cp.send", messages * (act // tp), messages)
+        add("cp.recv", messages * (act // tp), messages)
     if pp > 1:
         hop = B * (T // (tp if sp else 1)) * C * item
-        add("pp.send", m * hop * rank.pipeline_messages())
-        add("pp.recv", m * hop * rank.pipeline_messages())
+        add("pp.send", m * hop * rank.pipeline_messages(), m * rank.pipeline_messages())
+        add("pp.recv", m * hop * rank.pipeline_messages(), m * rank.pipeline_messages())
         add("pp.broadcast", F64)     # the loss, from the head's stage
         if rank.first != rank.last:  # the tied embedding's two copies (one, on rank 0, in a V)
             add("embedding.all_reduce", _all_reduce(layer_elements(model, tp)["token"][0] * item, 2))
     elements, group, replicas = parameter_elements(model, rank)[0], rank.shard_group, rank.replicas
     padded, sharded = pad_to_multiple(elements, group), parallel.zero_stage or parallel.hierarchical_all_reduce
+    buckets = gradient_buckets(model, rank, parallel.bucket_size, padded - elements if sharded else 0)
     if parallel.zero_stage == 0 and not parallel.hierarchical_all_reduce:
-        add("dp_cp.all_reduce", _all_reduce(elements * item, rank.dp * cp))
+        add("dp_cp.all_reduce", _all_reduce(elements * item, rank.dp * cp), buckets)
     elif parallel.zero_stage in (0, 1, 2):          # the two halves of one all-reduce inside the shard group
-        add("dp_shard.reduce_scatter", _half(padded * item, group))
+        add("dp_shard.reduce_scatter", _half(padded * item, group), buckets if parallel.zero_stage == 2 else 1)
         add("dp_shard.all_gather", _half(padded * item, group))
     else:
         gathered, scattered = _zero3_elements_moved(model, rank, m, padded)
-        add("dp_shard.all_gather", gathered * item)
-        add("dp_shard.reduce_scatter", scattered * item)
+        add("dp_shard.all_gather", gathered * item, 2 + 2 * m * model.n_layers)    # the root's two ranges once,
+        add("dp_shard.reduce_scatter", scattered * item, 2 + m * model.n_layers)   # a block's one a pass
     if sharded:                                     # each slice averaged over its replicas (HSDP)
         add("dp_replica.all_reduce", _all_reduce(padded // group * item, replicas))
     add("dp_cp.all_reduce", _all_reduce(F64, rank.dp * cp))          # the loss

@@ -95,6 +95,17 @@ PAPER = {
 }
 
 
+def fit_link(sizes, seconds, ranks: int = 2) -> tuple[float, float]:
+    """(alpha, beta) of one tier from all-reduces of `sizes` bytes over `ranks` ranks that
+    took `seconds`: least squares of T(x) = 2(n - 1) alpha + 2(n - 1)/n x / beta, each
+    point weighted by 1/T so that an 8-byte message counts as much as a megabyte."""
+    import numpy as np
+    x, t = np.asarray(sizes, float), np.asarray(seconds, float)
+    design = np.stack([np.full_like(x, 2 * (ranks - 1)), 2 * (ranks - 1) / ranks * x], axis=1) / t[:, None]
+    (alpha, inverse_beta), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    return float(alpha), float(1 / inverse_beta)
+
+
 def load_device(name: str) -> Device:
     """A profile by name (the paper ones, then profiles/NAME.json), or by path: only a
     name ending in .json is read as a path, so no name reaches outside profiles/."""

@@ -12,7 +12,11 @@ micro-batch at a time, priced by the device profile (devices.py):
 * AdamW: its passes over the elements the rank updates, and the norm, clipping and
   zeroing over its gradient buffer, priced the same way.
 
-Collectives: for each kind, its bytes at its tier's bandwidth plus a latency. Ranks fill
+Collectives: for each kind, its bytes at its tier's bandwidth plus, for each call, the
+tier's latency alpha once per message the call's algorithm sends in a row (`messages`:
+2(n - 1) for a ring all-reduce, n - 1 for a reduce-scatter or an all-gather, 1 for a
+send), over the calls the step makes (accounting.comm_calls: per block and micro-batch
+for tp, per bucket for dp, per micro-batch for pp). Ranks fill
 hosts in order (devices.Device.host_size), so a group of consecutive ranks stays on one
 host when the ranks it spans divide a host's: tp spans tp ranks, cp tp x cp, dp tp x cp
 x dp, pp all of them. Such a group uses the intra-host tier, any other the inter-host one. Tensor-, context- and pipeline-parallel traffic is exposed; the
@@ -38,7 +42,8 @@ Each choice is an estimate, stated so that its error can be read off.
 
 from numpitron.distributed.sharding import pad_to_multiple
 from numpitron.parallel.schedules import ideal_bubble, placement_of
-from numpitron.plan.accounting import Rank, comm_bytes, parameter_elements, peak_activation_bytes, state_bytes
+from numpitron.plan.accounting import (Rank, comm_bytes, comm_calls, gradient_buckets, parameter_elements,
+                                       peak_activation_bytes, state_bytes)
 from numpitron.plan.flops import hardware_flops, model_flops
 from numpitron.plan.kernels import Work, block_work, embedding_work, head_work, optimizer_work
 
@@ -71,11 +76,12 @@ def plan(model, parallel, train, mesh, device) -> dict:
                      "optimizer_state": (device.bytes_per_parameter - 4) * params // (rank.shard_group if parallel.zero_stage else 1)}
         activations = scale * peak_activation_bytes(model, parallel, train, rank)
         comm = {kind: scale * nbytes for kind, nbytes in comm_bytes(model, parallel, train, rank).items()}
+        calls = comm_calls(model, parallel, train, rank)
         per_mb = price(microbatch_work(model, parallel, train, rank), device, itemsize)
         # On a cluster a rank waiting for a link gives its core away, so time-sharing
         # does not stretch link time (on one CPU node a "link" is a copy a core makes).
         on_links = share if device.ranks_per_host else 1.0
-        t_comm = {kind: _link_time(kind, nbytes, mesh, device) / on_links for kind, nbytes in comm.items()}
+        t_comm = {kind: _link_time(kind, nbytes, calls[kind], mesh, device) / on_links for kind, nbytes in comm.items()}
         tiers = {}
         for kind, nbytes in comm.items():
             tier = tiers.setdefault(link_tier(kind, mesh, device), {"bytes": 0.0, "seconds": 0.0})
@@ -84,7 +90,7 @@ def plan(model, parallel, train, mesh, device) -> dict:
         exposed_per_mb = sum(t for kind, t in t_comm.items() if kind.split(".")[0] in ("tp", "cp", "pp")) / m
         t_adam = sum(price(step_work(model, parallel, rank), device, itemsize).values())
         dp_time = sum(t for kind, t in t_comm.items() if kind.startswith(("dp_cp.", "dp_shard.", "dp_replica.")))
-        buckets = max(1, -(-state["grads"] // (parallel.bucket_size * 4)))
+        buckets = gradient_buckets(model, rank, parallel.bucket_size)
         overlapped = parallel.zero_stage in (0, 2) and parallel.overlap_grad_reduce and not parallel.hierarchical_all_reduce
         exposed_dp = dp_time / buckets if overlapped else dp_time
         if share > 1:                      # each blocking collective waits for a peer to be scheduled
@@ -183,22 +189,46 @@ def groups_across_hosts(mesh, device) -> list[str]:
     return [group for group, size in sizes.items() if size > 1 and link_tier(group, mesh, device) == "inter"]
 
 
-def _link_time(kind: str, nbytes: float, mesh, device) -> float:
-    """A collective's seconds: alpha + bytes / beta on one tier. A collective that
-    crosses hosts runs hierarchically (as MPICH's does): its q ranks on each host
-    reduce-scatter (or gather) among themselves, and each sends only its 1/q share
-    across the h hosts, so the inter-host tier carries (h-1)/h of the buffer over q
-    per rank, where the flat ring would have sent (g-1)/g of it."""
-    group = kind.split(".")[0]
-    if link_tier(kind, mesh, device) == "intra":
-        return device.intra_latency + nbytes / device.intra_bandwidth
+def group_size(kind: str, mesh) -> int:
+    """Ranks of the communicator a collective kind runs on."""
     tp, pp, dp, cp, S = mesh_sizes(mesh)
-    size, stride = {"tp": (tp, 1), "cp": (cp, tp), "dp_cp": (dp * cp, tp), "dp_shard": (S * cp, tp),
-                    "dp_replica": (dp // S, tp * cp * S)}.get(group, (1, 1))
-    per_host = max(1, min(size, device.host_size() // stride))        # the group's ranks on one host
+    return {"tp": tp, "cp": cp, "dp_cp": dp * cp, "dp_shard": S * cp, "dp_replica": dp // S, "pp": pp,
+            "embedding": 2, "model": tp * pp, "dp_shard_model": tp * cp * pp * S}.get(kind.split(".")[0], tp * pp * dp * cp)
+
+
+def messages(kind: str, ranks: int) -> int:
+    """Messages one call sends one after another, each paying the latency alpha: a ring
+    all-reduce 2(n - 1) (reduce-scatter, then all-gather), a reduce-scatter or an
+    all-gather n - 1, an all-to-all n - 1, a broadcast a binomial tree's ceil(log2 n),
+    a send or a receive 1 (docs/02-collectives-and-the-mesh.md)."""
+    if ranks <= 1:
+        return 0
+    op = kind.split(".")[-1]
+    if op in ("send", "recv"):
+        return 1
+    if op == "broadcast":
+        return (ranks - 1).bit_length()
+    return 2 * (ranks - 1) if op.startswith("all_reduce") else ranks - 1
+
+
+def _link_time(kind: str, nbytes: float, calls: int, mesh, device) -> float:
+    """A collective kind's seconds in one step: calls x messages x alpha + bytes / beta
+    on one tier. A collective that crosses hosts runs hierarchically (as MPICH's does):
+    its q ranks on each host reduce-scatter (or gather) among themselves, and each sends
+    only its 1/q share across the h hosts, so the inter-host tier carries (h-1)/h of the
+    buffer over q per rank, where the flat ring would have sent (g-1)/g of it; a call
+    pays the messages of the collective over q ranks at the intra-host alpha and over h
+    at the inter-host one."""
+    group, size = kind.split(".")[0], group_size(kind, mesh)
+    if link_tier(kind, mesh, device) == "intra":
+        return calls * messages(kind, size) * device.intra_latency + nbytes / device.intra_bandwidth
+    tp, pp, dp, cp, S = mesh_sizes(mesh)
+    stride = {"tp": 1, "cp": tp, "dp_cp": tp, "dp_shard": tp, "dp_replica": tp * cp * S}.get(group)
+    per_host = max(1, min(size, device.host_size() // stride)) if stride else 1     # the group's ranks on one host
     hosts = size // per_host
     if kind.endswith(("send", "recv", "broadcast", "all_to_all")) or per_host == 1:    # and pp, model, world
-        return device.inter_latency + nbytes / device.inter_bandwidth
+        return calls * messages(kind, size) * device.inter_latency + nbytes / device.inter_bandwidth
     buffer = nbytes * size / (size - 1)        # bytes of the ring's formula -> the buffer times its factor
-    return (device.intra_latency + buffer * (per_host - 1) / per_host / device.intra_bandwidth
-            + device.inter_latency + buffer * (hosts - 1) / hosts / per_host / device.inter_bandwidth)
+    return (calls * (messages(kind, per_host) * device.intra_latency + messages(kind, hosts) * device.inter_latency)
+            + buffer * (per_host - 1) / per_host / device.intra_bandwidth
+            + buffer * (hosts - 1) / hosts / per_host / device.inter_bandwidth)
