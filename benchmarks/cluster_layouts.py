@@ -115,6 +115,7 @@ def measure(flags: list, iters: int) -> float:
 
 
 def main():
+    global PREFIX
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=sorted(MODELS), default="default")
     p.add_argument("--hosts-of", default="4,2,1", help="ranks per host of each placement, e.g. 4,2,1")
@@ -124,7 +125,6 @@ def main():
     args = p.parse_args()
     if args.probe:
         return probe()
-    global PREFIX
     PREFIX = args.prefix
     cpu = load_device("this-machine")
     intra, inter = scaled_rates(cpu.peak_flops)
