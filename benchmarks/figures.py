@@ -154,6 +154,44 @@ def memory(plt) -> dict:
     return sizes
 
 
+def hsdp_rates(plt) -> dict:
+    """ZeRO-3, HSDP and plain dp against the inter-host rate (docs/12-zero-2-and-3.md),
+    drawn from what benchmarks/hsdp.py measured on the simulated cluster (it needs root,
+    so `make figures` redraws from its JSON, docs/figures/hsdp.json, and does not rerun it)."""
+    import statistics
+    data = json.loads((FIGURES / "hsdp.json").read_text())
+    rates = sorted(data["rates"], key=lambda r: r["inter_mbit"])
+    x = [r["inter_mbit"] for r in rates]
+    styles = {"ZeRO-3": "o-", "HSDP (S=2)": "s-", "dp": "^-", "dp, two-level": "v--"}
+    fig, (time_ax, bytes_ax, link_ax) = plt.subplots(1, 3, figsize=(12, 3.8))
+    for name, style in styles.items():
+        runs = [r["layouts"][name]["ms"] for r in rates]
+        mid = [statistics.median(ms) for ms in runs]
+        time_ax.errorbar(x, mid, yerr=[[m - min(ms) for m, ms in zip(mid, runs)], [max(ms) - m for m, ms in zip(mid, runs)]],
+                         fmt=style, capsize=2, label=name, lw=1.2, ms=4)
+        bytes_ax.plot(x, [statistics.median(r["layouts"][name]["sent_bytes"]) / 1e6 for r in rates], style, label=name, ms=4)
+    planned = data["crossover_mbit"]["with_alpha"]
+    if planned:
+        time_ax.axvline(planned, color="k", ls=":", lw=1, label="planned crossover")
+    link_ax.plot(x, [r["fitted_inter_mbit"] for r in rates], "o-", label="across hosts")
+    link_ax.plot(x, [r["fitted_intra_mbit"] for r in rates], "s-", label="inside a host (shaped 701)")
+    link_ax.plot(x, x, "k:", lw=1, label="the shaped rate")
+    time_ax.set(xscale="log", yscale="log", xlabel="inter-host rate, Mbit/s per rank (shaped)", ylabel="ms per step",
+                title="Step time (median, range over rounds)")
+    bytes_ax.set(xscale="log", xlabel="inter-host rate, Mbit/s per rank (shaped)", ylabel="MB per step",
+                 title="Bytes host 0 sent to the other host", ylim=(0, None))
+    link_ax.set(xscale="log", yscale="log", xlabel="inter-host rate, Mbit/s per rank (shaped)", ylabel="Mbit/s",
+                title="Rate an all-reduce sweep got")
+    link_ax.legend(fontsize=7)
+    time_ax.legend(fontsize=7)
+    load = statistics.median(load for r in rates for load in r["load"])
+    caption(time_ax, f"python benchmarks/hsdp.py: 2 simulated hosts x 2 ranks, dp = 4, default model, float32, batch 12; "
+                     f"{len(rates[0]['layouts']['dp']['ms'])} paired rounds, load average {load:.0f}")
+    fig.subplots_adjust(bottom=0.24, wspace=0.35)
+    fig.savefig(FIGURES / "hsdp_rates.svg", bbox_inches="tight")
+    return {"from": "docs/figures/hsdp.json"}
+
+
 def context_parallel_blocks() -> dict:
     """Which chunk pairs each rank computes, zigzag against a plain split (docs/13)."""
     return run_json(launch(4, "benchmarks/context_parallel.py", ["--seq-len", "1024"]))
@@ -172,7 +210,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", default="data")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", choices=["memory_zero"], help="make this figure alone (figures.json keeps the rest)")
+    p.add_argument("--only", choices=["memory_zero", "hsdp_rates"],
+                   help="make this figure alone (figures.json keeps the rest)")
     args = p.parse_args()
     import matplotlib
     matplotlib.use("svg")
@@ -180,7 +219,7 @@ def main():
     FIGURES.mkdir(parents=True, exist_ok=True)
     if args.only:
         data = json.loads((FIGURES / "figures.json").read_text())
-        data[args.only] = {"memory_zero": memory}[args.only](plt)
+        data[args.only] = {"memory_zero": memory, "hsdp_rates": hsdp_rates}[args.only](plt)
         (FIGURES / "figures.json").write_text(json.dumps(data, indent=1) + "\n")
         return
     iters = 5 if args.quick else 20
@@ -191,6 +230,7 @@ def main():
     subprocess.run(launch(1, "benchmarks/pipeline_timeline.py", ["--ideal", "4", "--out", "docs/pipeline_ideal.svg"]),
                    check=True, cwd=REPO, capture_output=True)
     data["context_parallel_blocks"] = context_parallel_blocks()
+    data["hsdp_rates"] = hsdp_rates(plt)
     data["routing"] = routing(Path(args.data_dir).resolve(), 200 if args.quick else 2000)
     (FIGURES / "figures.json").write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {', '.join(sorted(p.name for p in FIGURES.glob('*.svg')))} and figures.json in {FIGURES}")

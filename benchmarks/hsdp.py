@@ -107,6 +107,18 @@ def one_rate(multiple: float, infiniband: float, intra: float, base, rounds: int
     return result
 
 
+def appended(earlier: list, later: list) -> list:
+    """Earlier runs' rounds followed by this run's, rate by rate (the rates must match);
+    each round stays paired, and the planner's numbers are this run's."""
+    assert [r["multiple"] for r in earlier] == [r["multiple"] for r in later], "--append needs the same --rates"
+    for old, new in zip(earlier, later):
+        new["load"] = old["load"] + new["load"]
+        for name, entry in new["layouts"].items():
+            for key in ("ms", "sent_bytes"):
+                entry[key] = old["layouts"][name][key] + entry[key]
+    return later
+
+
 def paired(result: dict, a: str, b: str) -> float:
     """The median over rounds of a's step over b's in the same round."""
     return statistics.median(x / y for x, y in zip(result["layouts"][a]["ms"], result["layouts"][b]["ms"]))
@@ -119,6 +131,7 @@ def main():
     p.add_argument("--rounds", type=int, default=3, help="rounds of every layout at each rate (paired ratios)")
     p.add_argument("--prefix", default=cluster_layouts.PREFIX, help="the cluster's names start with this")
     p.add_argument("--out", default=str(OUT), help="the JSON the figure is drawn from")
+    p.add_argument("--append", action="store_true", help="add this run's rounds to those --out holds at the same rates")
     args = p.parse_args()
     cluster_layouts.PREFIX = args.prefix
     cpu = load_device("this-machine")
@@ -133,6 +146,8 @@ def main():
             print(json.dumps(rates[-1]), flush=True)
     finally:
         cluster("down", check=False)
+    if args.append:
+        rates = appended(json.loads(Path(args.out).read_text())["rates"], rates)
     alpha = statistics.median(r["alpha_inter_s"] for r in rates)
     device = replace(base, inter_latency=alpha, intra_latency=statistics.median(r["alpha_intra_s"] for r in rates))
     zero3, hsdp = BATCH + LAYOUTS["ZeRO-3"], BATCH + LAYOUTS["HSDP (S=2)"]

@@ -28,6 +28,14 @@ def members(comm):
     return comm.mpi.allgather(MPI.COMM_WORLD.Get_rank())
 
 
+def second_step_bytes(trainer, tokens) -> dict:
+    """Bytes by group and collective of a step after the first (which sets things up)."""
+    trainer.train_step(tokens)
+    trainer.topo.stats.reset()
+    trainer.train_step(tokens)
+    return {k: v["bytes"] for k, v in trainer.topo.stats.snapshot().items()}
+
+
 @pytest.mark.parallel(nprocs=4)
 def test_shard_and_replica_groups_split_dp_in_megatron_order():
     checks = {}
@@ -115,12 +123,7 @@ def test_memory_is_zero_over_s_ranks_and_only_the_slice_crosses_replicas():
         hsdp = make_trainer(train_cfg=train, data=4, data_shard=2, zero_stage=stage)
         zero = make_trainer(train_cfg=tiny_train(global_batch_size=4), topo=Topology.from_world(data=2, world=halves),
                             zero_stage=stage)
-        moved = {}
-        for trainer in (hsdp, zero):
-            trainer.train_step(tokens)
-            trainer.topo.stats.reset()
-            trainer.train_step(tokens)
-            moved[trainer] = {k: v["bytes"] for k, v in trainer.topo.stats.snapshot().items()}
+        moved = {trainer: second_step_bytes(trainer, tokens) for trainer in (hsdp, zero)}
         padded = pad_to_multiple(hsdp.model.store.numel, 2)
         item = hsdp.model_cfg.itemsize
         checks[f"stage {stage} memory equals ZeRO over S"] = (memory_bytes(hsdp.optimizer), memory_bytes(zero.optimizer))
@@ -161,12 +164,7 @@ def test_expert_memory_is_zero_over_s_over_ep_ranks_and_its_slice_crosses_replic
         hsdp = make_trainer(model, tiny_train(global_batch_size=8), data=4, data_shard=2, expert=ep, zero_stage=2)
         zero = make_trainer(model, tiny_train(global_batch_size=4), zero_stage=2,
                             topo=Topology.from_world(data=2, expert=ep, world=halves))
-        moved = {}
-        for trainer in (hsdp, zero):
-            trainer.train_step(tokens)
-            trainer.topo.stats.reset()
-            trainer.train_step(tokens)
-            moved[trainer] = {k: v["bytes"] for k, v in trainer.topo.stats.snapshot().items()}
+        moved = {trainer: second_step_bytes(trainer, tokens) for trainer in (hsdp, zero)}
         dense, experts = hsdp.optimizers
         shard, item = 2 // ep, model.itemsize
         for name, mine, theirs in zip(("dense", "experts"), hsdp.optimizers, zero.optimizers):
