@@ -181,7 +181,7 @@ def hsdp_rates(plt) -> dict:
     bytes_ax.set(xscale="log", xlabel="inter-host rate, Mbit/s per rank (shaped)", ylabel="MB per step",
                  title="Bytes host 0 sent to the other host", ylim=(0, None))
     link_ax.set(xscale="log", yscale="log", xlabel="inter-host rate, Mbit/s per rank (shaped)", ylabel="Mbit/s",
-                title="Rate an all-reduce sweep got")
+                title="Rate an all-reduce sweep got (last run)")
     link_ax.legend(fontsize=7)
     time_ax.legend(fontsize=7)
     load = statistics.median(load for r in rates for load in r["load"])
