@@ -154,6 +154,44 @@ def memory(plt) -> dict:
     return sizes
 
 
+def hsdp_rates(plt) -> dict:
+    """ZeRO-3, HSDP and plain dp against the inter-host rate (docs/12-zero-2-and-3.md),
+    drawn from what benchmarks/hsdp.py measured on the simulated cluster (it needs root,
+    so `make figures` redraws from its JSON, docs/figures/hsdp.json, and does not rerun it)."""
+    import statistics
+    data = json.loads((FIGURES / "hsdp.json").read_text())
+    rates = sorted(data["rates"], key=lambda r: r["inter_mbit"])
+    x = [r["inter_mbit"] for r in rates]
+    styles = {"ZeRO-3": "o-", "HSDP (S=2)": "s-", "dp": "^-", "dp, two-level": "v--"}
+    fig, (time_ax, bytes_ax, link_ax) = plt.subplots(1, 3, figsize=(12, 3.8))
+    for name, style in styles.items():
+        runs = [r["layouts"][name]["ms"] for r in rates]
+        mid = [statistics.median(ms) for ms in runs]
+        time_ax.errorbar(x, mid, yerr=[[m - min(ms) for m, ms in zip(mid, runs)], [max(ms) - m for m, ms in zip(mid, runs)]],
+                         fmt=style, capsize=2, label=name, lw=1.2, ms=4)
+        bytes_ax.plot(x, [statistics.median(r["layouts"][name]["sent_bytes"]) / 1e6 for r in rates], style, label=name, ms=4)
+    planned = data["crossover_mbit"]["with_alpha"]
+    if planned:
+        time_ax.axvline(planned, color="k", ls=":", lw=1, label="planned crossover")
+    link_ax.plot(x, [r["fitted_inter_mbit"] for r in rates], "o-", label="across hosts")
+    link_ax.plot(x, [r["fitted_intra_mbit"] for r in rates], "s-", label="inside a host (shaped 701)")
+    link_ax.plot(x, x, "k:", lw=1, label="the shaped rate")
+    time_ax.set(xscale="log", yscale="log", xlabel="inter-host rate, Mbit/s per rank (shaped)", ylabel="ms per step",
+                title="Step time (median, range over rounds)")
+    bytes_ax.set(xscale="log", xlabel="inter-host rate, Mbit/s per rank (shaped)", ylabel="MB per step",
+                 title="Bytes host 0 sent to the other host", ylim=(0, None))
+    link_ax.set(xscale="log", yscale="log", xlabel="inter-host rate, Mbit/s per rank (shaped)", ylabel="Mbit/s",
+                title="Rate an all-reduce sweep got (last run)")
+    link_ax.legend(fontsize=7)
+    time_ax.legend(fontsize=7)
+    load = statistics.median(load for r in rates for load in r["load"])
+    caption(time_ax, f"python benchmarks/hsdp.py: 2 simulated hosts x 2 ranks, dp = 4, default model, float32, batch 12; "
+                     f"{len(rates[0]['layouts']['dp']['ms'])} paired rounds, load average {load:.0f}")
+    fig.subplots_adjust(bottom=0.24, wspace=0.35)
+    fig.savefig(FIGURES / "hsdp_rates.svg", bbox_inches="tight")
+    return {"from": "docs/figures/hsdp.json"}
+
+
 def context_parallel_blocks() -> dict:
     """Which chunk pairs each rank computes, zigzag against a plain split (docs/13)."""
     return run_json(launch(4, "benchmarks/context_parallel.py", ["--seq-len", "1024"]))
@@ -240,6 +278,7 @@ ALONE = {
     "experts_compare": lambda plt, data_dir: experts_compare(data_dir, 300),
     "cluster_rates": lambda plt, data_dir: cluster_rates(plt),
     "precision_drift": lambda plt, data_dir: precision_drift(plt, data_dir, 200),
+    "hsdp_rates": lambda plt, data_dir: hsdp_rates(plt),
 }
 
 
@@ -267,6 +306,7 @@ def main():
     subprocess.run(launch(1, "benchmarks/pipeline_timeline.py", ["--ideal", "4", "--out", "docs/pipeline_ideal.svg"]),
                    check=True, cwd=REPO, capture_output=True)
     data["context_parallel_blocks"] = context_parallel_blocks()
+    data["hsdp_rates"] = hsdp_rates(plt)
     data["routing"] = routing(Path(args.data_dir).resolve(), 200 if args.quick else 2000)
     data["experts_compare"] = experts_compare(Path(args.data_dir).resolve(), 40 if args.quick else 300)
     data["cluster_rates"] = cluster_rates(plt)

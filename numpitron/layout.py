@@ -24,7 +24,8 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
     tensor, pipeline, data, context, *rest = mesh
     if train is not None:
         check_precision(train.precision, model.dtype, train.loss_scale, train.loss_scale_window)
-    _check_experts(model, parallel, data, context, expert=rest[0] if rest else 1)
+    _check_experts(model, parallel, data, context, expert=rest[0] if rest else 1,
+                   data_shard=rest[1] if len(rest) > 1 and rest[1] else data)
     if train is not None and train.optimizer == "muon":
         _check_muon(parallel, data, rest[1] if len(rest) > 1 else 0)
     if parallel is not None and parallel.sequence_parallel:
@@ -78,8 +79,9 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
                             "when they are built (their aux loss's weight); not combined yet")
 
 
-def _check_experts(model: ModelConfig, parallel, data: int, context: int, expert: int) -> None:
-    """Expert parallelism splits the experts over ranks carved out of dp x cp (docs/14-experts.md)."""
+def _check_experts(model: ModelConfig, parallel, data: int, context: int, expert: int, data_shard: int) -> None:
+    """Expert parallelism splits the experts over ranks carved out of dp x cp (docs/14-experts.md);
+    under hybrid sharding an ep group stays inside one replica (docs/12-zero-2-and-3.md)."""
     if expert < 1:
         raise UserError(f"expert-parallel size must be positive, got {expert}")
     if expert > 1 and not model.num_experts:
@@ -91,6 +93,10 @@ def _check_experts(model: ModelConfig, parallel, data: int, context: int, expert
         raise UserError(f"the expert-parallel size ({expert}) must divide data x context parallel size ({data} x "
                         f"{context} = {data * context}): the ep group is carved out of the ranks that hold "
                         f"different tokens")
+    if data_shard < data and (data_shard * context) % expert:
+        raise UserError(f"the expert-parallel size ({expert}) must divide --data-parallel-shard-size x context "
+                        f"parallel size ({data_shard} x {context}): an ep group's all-to-all stays inside one "
+                        f"replica, and its experts shard there")
 
 
 def _check_ulysses(model: ModelConfig, tensor: int, context: int, parallel: ParallelConfig) -> None:

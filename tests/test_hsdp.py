@@ -15,6 +15,7 @@ from numpitron.distributed.hierarchical import hierarchical_all_reduce, hierarch
 from numpitron.distributed.sharding import pad_to_multiple
 from numpitron.distributed.topology import Topology, resolve_mesh
 from numpitron.errors import UserError
+from numpitron.layout import check_layout
 from numpitron.optim.memory_report import memory_bytes
 from tests.harness import (SMALLER, assert_on_every_rank, check_mesh, make_trainer, tiny_model, tiny_tokens,
                            tiny_train, train_steps)
@@ -25,6 +26,14 @@ F64 = 8
 
 def members(comm):
     return comm.mpi.allgather(MPI.COMM_WORLD.Get_rank())
+
+
+def second_step_bytes(trainer, tokens) -> dict:
+    """Bytes by group and collective of a step after the first (which sets things up)."""
+    trainer.train_step(tokens)
+    trainer.topo.stats.reset()
+    trainer.train_step(tokens)
+    return {k: v["bytes"] for k, v in trainer.topo.stats.snapshot().items()}
 
 
 @pytest.mark.parallel(nprocs=4)
@@ -84,6 +93,24 @@ def test_hsdp_trains_as_one_process():
     check_mesh(dict(data=4, data_shard=2, zero_stage=3), grad_clip=0.05)
 
 
+@pytest.mark.parallel(nprocs=8)
+def test_hsdp_with_tp_and_with_pp_trains_as_one_process(monkeypatch):
+    """S = 2 of dp = 4 beside tp = 2 (two hosts of four ranks: a shard group is tp x S = 4
+    consecutive ranks) and beside pp = 2 (four hosts of two ranks), hosts named as the
+    cluster names them: each shard group on one host, each replica group across hosts,
+    and ten float64 iterations equal to one process."""
+    import socket
+    rank = MPI.COMM_WORLD.rank
+    for mesh, per_host in ((dict(tensor=2, data=4, data_shard=2, zero_stage=3), 4),
+                           (dict(pipeline=2, data=4, data_shard=2, zero_stage=2), 2)):
+        monkeypatch.setattr(socket, "gethostname", lambda: f"host{rank // per_host}")
+        topo = check_mesh(mesh, model=SMALLER).trainer.topo
+        hosts_of = {name: {r // per_host for r in members(comm)}
+                    for name, comm in (("shard", topo.dp_shard_comm), ("replica", topo.dp_replica_comm))}
+        assert_on_every_rank({f"{mesh}: shard group on one host": len(hosts_of["shard"]) == 1,
+                              f"{mesh}: replicas on two hosts": len(hosts_of["replica"]) == 2})
+
+
 @pytest.mark.parallel(nprocs=4)
 def test_memory_is_zero_over_s_ranks_and_only_the_slice_crosses_replicas():
     """HSDP (dp = 4, S = 2) keeps per rank what ZeRO over 2 ranks keeps, to the byte
@@ -96,12 +123,7 @@ def test_memory_is_zero_over_s_ranks_and_only_the_slice_crosses_replicas():
         hsdp = make_trainer(train_cfg=train, data=4, data_shard=2, zero_stage=stage)
         zero = make_trainer(train_cfg=tiny_train(global_batch_size=4), topo=Topology.from_world(data=2, world=halves),
                             zero_stage=stage)
-        moved = {}
-        for trainer in (hsdp, zero):
-            trainer.train_step(tokens)
-            trainer.topo.stats.reset()
-            trainer.train_step(tokens)
-            moved[trainer] = {k: v["bytes"] for k, v in trainer.topo.stats.snapshot().items()}
+        moved = {trainer: second_step_bytes(trainer, tokens) for trainer in (hsdp, zero)}
         padded = pad_to_multiple(hsdp.model.store.numel, 2)
         item = hsdp.model_cfg.itemsize
         checks[f"stage {stage} memory equals ZeRO over S"] = (memory_bytes(hsdp.optimizer), memory_bytes(zero.optimizer))
@@ -110,6 +132,50 @@ def test_memory_is_zero_over_s_ranks_and_only_the_slice_crosses_replicas():
             checks[f"stage {stage} {kind}"] = (moved[hsdp][kind], moved[zero][kind])
         checks[f"stage {stage} replicas: one all-reduce of the slice"] = (
             moved[hsdp]["dp_replica.all_reduce"], 2 * (2 - 1) / 2 * (padded // 2 * item))
+    assert_on_every_rank(checks)
+
+
+MOE = dict(num_experts=4, moe_top_k=2)
+
+
+@pytest.mark.parallel(nprocs=4)
+def test_experts_shard_inside_a_replica_and_train_as_one_process():
+    """dp = 4, S = 2: with ep = 1 each expert's state shards over the 2 expert_dp ranks
+    of a replica and its slices are averaged across replicas, like the dense state's;
+    with ep = 2 an ep group is one replica, which holds each expert once (a shard
+    group of one). Ten float64 iterations equal to one process, every expert compared."""
+    for mesh in (dict(data=4, data_shard=2, zero_stage=2), dict(data=4, data_shard=2, expert=2, zero_stage=1)):
+        topo = check_mesh(mesh, model=MOE).trainer.topo
+        r, ep = topo.rank, mesh.get("expert", 1)
+        expected_shard = [r - r % 2, r - r % 2 + 1] if ep == 1 else [r]
+        assert_on_every_rank({f"ep={ep} expert shard group": (members(topo.expert_dp_shard_comm), expected_shard),
+                              f"ep={ep} expert slices' copies": (topo.dp_replica_comm.size, 2)})
+
+
+@pytest.mark.parallel(nprocs=4)
+def test_expert_memory_is_zero_over_s_over_ep_ranks_and_its_slice_crosses_replicas():
+    """Beside ZeRO-2 on each half of the world (dp = 2, the experts over ep): HSDP's
+    expert optimizer keeps the same bytes, its state is 1/(S/ep) of the padded expert
+    store, and the replicas all-reduce the dense slice and the expert slice, nothing more."""
+    tokens, checks = tiny_tokens(), {}
+    halves = MPI.COMM_WORLD.Split(MPI.COMM_WORLD.rank // 2, MPI.COMM_WORLD.rank)
+    model = tiny_model(**MOE, **SMALLER)
+    for ep in (1, 2):
+        hsdp = make_trainer(model, tiny_train(global_batch_size=8), data=4, data_shard=2, expert=ep, zero_stage=2)
+        zero = make_trainer(model, tiny_train(global_batch_size=4), zero_stage=2,
+                            topo=Topology.from_world(data=2, expert=ep, world=halves))
+        moved = {trainer: second_step_bytes(trainer, tokens) for trainer in (hsdp, zero)}
+        dense, experts = hsdp.optimizers
+        shard, item = 2 // ep, model.itemsize
+        for name, mine, theirs in zip(("dense", "experts"), hsdp.optimizers, zero.optimizers):
+            checks[f"ep={ep} {name} memory equals ZeRO over S"] = (memory_bytes(mine), memory_bytes(theirs))
+        checks[f"ep={ep} expert state is 1/(S/ep)"] = (
+            experts.adam.state_nbytes, 2 * pad_to_multiple(experts.store.numel, shard) // shard * item)
+        for kind in ("expert_dp_shard.reduce_scatter", "expert_dp_shard.all_gather"):
+            checks[f"ep={ep} {kind}"] = (moved[hsdp].get(kind), moved[zero].get(kind))
+        slices = pad_to_multiple(dense.store.numel, 2) // 2 + pad_to_multiple(experts.store.numel, shard) // shard
+        checks[f"ep={ep} replicas: one all-reduce of each slice"] = (moved[hsdp]["dp_replica.all_reduce"],
+                                                                   2 * (2 - 1) / 2 * slices * item)
     assert_on_every_rank(checks)
 
 
@@ -141,11 +207,30 @@ def test_hsdp_checkpoints_load_on_other_meshes_and_back(shared_dir):
     assert rel_diff(train_steps(hybrid, 3, tokens), expected[3:]) <= EQUIV_RTOL_FLOAT64
 
 
+@pytest.mark.parallel(nprocs=4)
+def test_expert_checkpoints_under_hsdp_load_on_another_mesh(shared_dir):
+    """Saved under HSDP ZeRO-2 with experts sharded over S = 2 (each range of either
+    store written once), resumed on dp = 4 with ep = 2: one uninterrupted serial run."""
+    model, tokens = tiny_model(**MOE, **SMALLER), tiny_tokens(5000)
+    train = tiny_train(global_batch_size=4, micro_batch_size=1)
+    expected = train_steps(make_trainer(model, train, Topology.serial()), 6, tokens)
+    source = make_trainer(model, train, data=4, data_shard=2, zero_stage=2)
+    assert rel_diff(train_steps(source, 3, tokens), expected[:3]) <= EQUIV_RTOL_FLOAT64
+    path = save_checkpoint(shared_dir / "hsdp-experts", source)
+    pieces = [(p["kind"], p["name"], p["start"]) for p in read_manifest(path)["pieces"]]
+    assert len(pieces) == len(set(pieces)) and any(".experts." in name for _, name, _ in pieces)
+    resumed = make_trainer(model, train, data=4, expert=2, zero_stage=1)
+    load_checkpoint(path, resumed)
+    assert rel_diff(train_steps(resumed, 3, tokens), expected[3:]) <= EQUIV_RTOL_FLOAT64
+
+
 def test_a_shard_size_that_does_not_divide_dp_is_one_line():
     with pytest.raises(UserError, match="--data-parallel-shard-size 3 must divide the data-parallel size 4"):
         resolve_mesh(4, 1, 1, None, data_shard=3)
     with pytest.raises(UserError, match="data-parallel shard size must be positive"):
         resolve_mesh(4, 1, 1, None, data_shard=-1)
+    with pytest.raises(UserError, match=r"the expert-parallel size \(2\) must divide --data-parallel-shard-size x context parallel size \(1 x 1\)"):
+        check_layout(tiny_model(**MOE), tiny_train(), resolve_mesh(4, 1, 1, None, expert=2, data_shard=1))
     with pytest.raises(UserError, match="--hierarchical-all-reduce is for plain data parallelism"):
         ParallelConfig(zero_stage=2, hierarchical_all_reduce=True).validate()
 

@@ -24,6 +24,9 @@ consecutive dp ranks each (`--data-parallel-shard-size S`, docs/12-zero-2-and-3.
 ZeRO shards over the cp x S ranks of one replica (dp_shard: on one host when a host
 holds tp x cp x S ranks) and the replicas average their shards over dp_replica (the
 slow link). S = dp is plain ZeRO (dp_replica has one rank), S = 1 replicates only.
+Experts follow: an ep group lies inside one replica (ep divides S x cp, layout.py), the
+S x cp / ep expert_dp ranks of a replica shard an expert's state (expert_dp_shard), and
+the copies of a slice in the other replicas are dense state's dp_replica group.
 """
 
 import socket
@@ -34,7 +37,7 @@ from numpitron.distributed.watchdog import Watchdog
 from numpitron.errors import UserError
 
 GROUPS = ("tp", "cp", "cp_ulysses", "cp_ring", "dp", "dp_cp", "pp", "model", "embedding", "ep", "expert_dp",
-          "expert_model", "dp_shard", "dp_replica", "dp_shard_model")
+          "expert_model", "dp_shard", "dp_replica", "dp_shard_model", "expert_dp_shard")
 
 
 class Mesh(NamedTuple):
@@ -89,7 +92,9 @@ class Topology:
     cp / U ranks at the same place of their Ulysses groups); both count their bytes
     under "cp". Hybrid sharding: dp_shard (the cp x S ranks of one replica, which ZeRO
     shards over), dp_replica (the dp / S ranks holding the same shard, which average
-    it), dp_shard_model (dp_shard x model: one copy of every shard, for the norm).
+    it), dp_shard_model (dp_shard x model: one copy of every shard, for the norm),
+    expert_dp_shard (the S / ep expert_dp ranks of one replica, which shard an expert's
+    state; its copies sit in dp_replica as the dense state's do).
     """
 
     def __init__(self, world, tp: int, pp: int, dp: int, stats: CommStats | None = None, cp: int = 1, ep: int = 1,
@@ -109,6 +114,9 @@ class Topology:
         self.expert_dp_rank, self.ep_rank = divmod(self.dp_cp_rank, ep)
         self.dp_replica_rank, in_shard = divmod(self.dp_rank, self.dp_shard)
         self.dp_shard_rank = in_shard * cp + self.cp_rank
+        # expert_dp ranks in one replica: its S x cp dp_cp ranks are contiguous, and ep divides them
+        self.expert_dp_shard = max(self.dp_shard * cp // ep, 1)
+        self.expert_dp_shard_rank = self.expert_dp_rank % self.expert_dp_shard
         self.world = Comm(world, self.stats, "world")
         # Each rank's host, gathered once at set-up: the printout names them, and a
         # group whose ranks sit on several hosts crosses the network (docs/17-many-hosts.md).
@@ -159,6 +167,8 @@ class Topology:
         self.dp_replica_comm = Comm(world.Split(((pp_rank * S + dp_rank % S) * cp + cp_rank) * tp + tp_rank, replica),
                                     self.stats, "dp_replica")
         self.dp_shard_model_comm = Comm(world.Split(replica, self.rank), self.stats, "dp_shard_model")
+        self.expert_dp_shard_comm = Comm(world.Split(((pp_rank * replicas + replica) * ep + ep_rank) * tp + tp_rank,
+                                                     self.expert_dp_shard_rank), self.stats, "expert_dp_shard")
 
     @classmethod
     def serial(cls) -> "Topology":

@@ -29,7 +29,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from numpitron.distributed.comm import Comm
 from numpitron.nn.residency import AlwaysResident
 from numpitron.optim.adamw import AdamW
 from numpitron.optim.master_weights import MasterWeightAdam
@@ -54,10 +53,12 @@ class GradientGroup(NamedTuple):
     @classmethod
     def experts(cls, topo) -> "GradientGroup":
         """An expert's gradient already sums the tokens of its ep group (they came to it
-        by all-to-all); summed over expert_dp it covers all dp x cp ranks' tokens. Experts
-        shard over the whole expert_dp group, whatever S: one copy of each shard."""
-        return cls(topo.expert_dp_comm, topo.dp_cp, topo.expert_model_comm, topo.expert_dp_comm,
-                   Comm(None, topo.stats, "expert_dp_replica"), topo.world)
+        by all-to-all); summed over expert_dp it covers all dp x cp ranks' tokens. Under
+        hybrid sharding experts shard like the dense state: over the S / ep expert_dp
+        ranks of one replica, each slice averaged with its copies in the other replicas
+        (dp_replica); one replica's ranks hold one copy of every expert slice."""
+        return cls(topo.expert_dp_comm, topo.dp_cp, topo.expert_model_comm, topo.expert_dp_shard_comm,
+                   topo.dp_replica_comm, topo.dp_shard_model_comm)
 
 
 class DistributedOptimizer:
