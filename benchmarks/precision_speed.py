@@ -10,8 +10,10 @@ per-round ratios (paired). Both wall-clock and CPU seconds are given: on a loade
 machine CPU time is the steadier of the two. Peak memory: the largest bytes NumPy held
 at once during one step (tracemalloc), the model and its optimizer included.
 Activation memory: the bytes the whole model's caches keep for the backward of one
-micro-batch, as allocated here (float32 arrays whatever the format: the low formats'
-values are held in them). Prints one JSON line per format, then the load.
+micro-batch, as allocated here, without recomputation (float32 arrays whatever the
+format: what the layers cache is not the format's values) and under full recomputation
+(a block's input, kept in 2 bytes by bf16 and fp16). Prints one JSON line per format,
+then the load.
 """
 
 import argparse
@@ -66,14 +68,17 @@ def main():
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         ids, targets = trainer.microbatches(tokens, "train", 0)[0]
-        caches = trainer.model.forward(ids, targets)[1]
-        allocated = sum(cache_nbytes(c) for c in caches)
+        allocated = sum(cache_nbytes(c) for c in trainer.model.forward(ids, targets)[1])
+        recomputing = Trainer(model_cfg, ParallelConfig(recompute="full").validate(),
+                              TrainConfig(precision=name).validate(), Topology.serial())
+        allocated_full = sum(cache_nbytes(c) for c in recomputing.model.forward(ids, targets)[1])
         print(json.dumps({
             "precision": name,
             "tokens_per_s_wall": float(np.median(wall[name])), "tokens_per_s_cpu": float(np.median(cpu[name])),
             "vs_fp32_wall": float(np.median(np.array(wall[name]) / wall["fp32"])),
             "vs_fp32_cpu": float(np.median(np.array(cpu[name]) / cpu["fp32"])),
-            "peak_step_bytes": peak, "activation_bytes_allocated": allocated}))
+            "peak_step_bytes": peak, "activation_bytes_allocated": allocated,
+            "activation_bytes_full_recompute": allocated_full}))
     print(json.dumps({"load_average_1min": [load_before, load_after], "cores": os.cpu_count(),
                       "rounds": args.rounds, "steps_per_round": args.steps, "tokens_per_step": step_tokens}))
 

@@ -196,6 +196,19 @@ class GPTStage(Layer):
             kv.advance(inputs.shape[1])
         return x, caches
 
+    @property
+    def precision(self):
+        return self._precision
+
+    @precision.setter
+    def precision(self, fmt) -> None:
+        """The run's number format: `_round` rounds to it, and a block under full
+        recomputation keeps its input in it (nn/recompute.py)."""
+        self._precision = fmt
+        for layer in self.layers:
+            if isinstance(layer, Recomputed):
+                layer.precision = fmt
+
     def _round(self, x):
         """Activations and their gradients, as one layer hands them to the next, in the
         low format of a mixed-precision run (the loss and fp32 runs: unchanged)."""

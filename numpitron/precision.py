@@ -17,8 +17,11 @@ LayerNorm, softmax and the loss compute in fp32 on a GPU as well.
 What is emulated exactly: the rounding (round to nearest even, `astype` of ml_dtypes and
 NumPy), the formats' ranges (fp16 overflows to inf above 65504, flushes below 2^-24).
 What is not: matmul outputs inside a block are kept in fp32 until the block's output is
-rounded, and the bytes: low-format values live in float32 arrays, so the memory report
-counts their elements at the format's size (optim/memory_report.py).
+rounded, so what a layer caches for its backward (LayerNorm's x-hat, q, k, v, GELU's
+slope, ...) is not the format's values and stays in float32 arrays; the memory report
+counts parameters and gradients at the format's size (optim/memory_report.py). The one
+cached activation that holds the format's values, a block's input under full
+recomputation, is kept in a 2-byte array (`keep`, nn/recompute.py).
 """
 
 from dataclasses import dataclass
@@ -55,6 +58,16 @@ class Format:
             return x
         with np.errstate(over="ignore"):          # fp16 overflow to inf is the point
             return x.astype(self.dtype).astype(x.dtype)
+
+    def keep(self, x: np.ndarray) -> np.ndarray:
+        """x as a cache keeps it for the backward: a 2-byte array in a mixed run (exact
+        only when x already holds the format's values, as a rounded activation does),
+        x itself in fp32. `widen` gives the float32 array back."""
+        return x.astype(self.dtype) if self.mixed else x
+
+    def widen(self, kept: np.ndarray) -> np.ndarray:
+        """What `keep` kept, as the float32 array the layers compute with."""
+        return kept.astype(np.float32) if self.mixed else kept
 
     def round_(self, x: np.ndarray) -> None:
         """Round x in place."""

@@ -72,12 +72,14 @@ def test_planned_memory_bytes_and_activations_equal_two_ranks_counts(layout):
 
 # Mixed precision (docs/18-numbers.md): 2 + 2 + 12 bytes a parameter, parameters gathered
 # at 2 bytes, gradients summed at 2 or 4; each ZeRO stage once, both formats and both
-# reduce dtypes among them.
+# reduce dtypes among them; the activations under full recomputation at 2 bytes.
 MIXED_2 = [dict(data=2, mixed=dict(precision="bf16", grad_reduce_dtype="param")),
            dict(data=2, zero_stage=1, mixed=dict(precision="bf16")),
            dict(data=2, zero_stage=2, mixed=dict(precision="fp16", grad_reduce_dtype="param")),
            dict(data=2, zero_stage=3, mixed=dict(precision="bf16", grad_reduce_dtype="param")),
-           dict(data=2, zero_stage=3, overlap_grad_reduce=False, mixed=dict(precision="fp16"))]
+           dict(data=2, zero_stage=3, overlap_grad_reduce=False, mixed=dict(precision="fp16")),
+           # a block's input kept in 2 bytes under full recomputation, across a pipeline
+           dict(pipeline=2, recompute="full", mixed=dict(precision="bf16"))]
 
 
 @pytest.mark.parallel(nprocs=2)

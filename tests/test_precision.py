@@ -1,7 +1,8 @@
 """Mixed precision (numpitron/precision.py, optim/master_weights.py; docs/18-numbers.md):
 the formats' rounding and ranges, dynamic loss scaling, fp16's underflow without it,
-the 2 + 2 + 12 bytes per parameter of every ZeRO stage, checkpoints of the master
-weights, and bf16 layouts against one process in bf16."""
+the 2 + 2 + 12 bytes per parameter of every ZeRO stage, full recomputation's block
+inputs kept in 2 bytes, checkpoints of the master weights, and bf16 layouts against one
+process in bf16."""
 
 import ml_dtypes
 import numpy as np
@@ -10,6 +11,7 @@ from mpi4py import MPI
 
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
+from numpitron.nn.layer import cache_nbytes
 from numpitron.optim.memory_report import memory_bytes
 from numpitron.precision import FORMATS, LossScaler, check_precision
 from tests.harness import assert_on_every_rank, make_trainer, run, serial_reference, tiny_model, tiny_tokens, tiny_train
@@ -88,6 +90,30 @@ def test_bf16_keeps_fp32_master_weights_and_hands_the_layers_their_rounding():
     assert np.array_equal(used, FORMATS["bf16"].round(master)) and not np.array_equal(used, master)
     assert trainer.optimizer.state.values_in_range(0, 8)["params"] is not None
     np.testing.assert_array_equal(trainer.optimizer.state.whole("params"), master)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_full_recomputation_keeps_block_inputs_in_2_bytes_and_the_same_trajectory(precision):
+    # A block under full recomputation keeps only its input, B T C values of the format:
+    # 2 bytes each against fp32's 4, to the byte; the embeddings' and the head's caches
+    # (fp32 values: x-hat, probabilities) keep 4. Kept exactly, so the run is bit for bit
+    # the one that keeps every activation.
+    model, tokens = tiny_model("float32"), tiny_tokens()
+    kept = {}
+    for name in ("fp32", precision):
+        trainer = make_trainer(model, tiny_train(precision=name), Topology.serial(), recompute="full")
+        ids, targets = trainer.microbatches(tokens, "train", 0)[0]
+        caches = trainer.model.forward(ids, targets)[1]
+        kept[name] = [cache_nbytes(c) for c in caches]
+    B, T, C = ids.shape + (model.d_model,)
+    assert kept["fp32"][1:-1] == [4 * B * T * C] * model.n_layers
+    assert kept[precision][1:-1] == [2 * B * T * C] * model.n_layers
+    assert kept[precision][0] == kept["fp32"][0] and kept[precision][-1] == kept["fp32"][-1]
+    train = tiny_train(precision=precision)
+    full, full_norms, full_params, _ = run(make_trainer(model, train, Topology.serial(), recompute="full"), steps=4)
+    plain, plain_norms, plain_params, _ = run(make_trainer(model, train, Topology.serial()), steps=4)
+    assert list(full) == list(plain) and list(full_norms) == list(plain_norms)
+    assert all(np.array_equal(full_params[k], plain_params[k]) for k in plain_params)
 
 
 def expected_model_state(stage: int, size: int, dp: int) -> dict:
