@@ -22,6 +22,7 @@ import json
 import os
 import statistics
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -35,6 +36,24 @@ CONFIGS = {   # short name -> (name in the table, model and batch)
 
 def model_flags(cfg: dict) -> list[str]:
     return [f"--{k.replace('_', '-')}={v}" for k, v in cfg.items() if k != "batch"]
+
+
+def busy_share(seconds: float = 2.0) -> float:
+    """The share of the machine's CPU time others used over a few seconds (run between our runs)."""
+    def ticks():
+        fields = [int(x) for x in open("/proc/stat").readline().split()[1:9]]
+        return sum(fields) - fields[3] - fields[4], sum(fields)   # busy, total (idle and iowait aside)
+    (b1, t1), _ = ticks(), time.sleep(seconds)
+    b2, t2 = ticks()
+    return (b2 - b1) / max(1, t2 - t1)
+
+
+def quiet_moment(max_wait: float) -> float:
+    """Wait (up to max_wait s) until at least one core is free; return the busy share seen last."""
+    deadline = time.monotonic() + max_wait
+    while (busy := busy_share()) > 0.5 and time.monotonic() < deadline:
+        pass
+    return busy
 
 
 def run_json(cmd: list[str]) -> dict:
@@ -79,16 +98,19 @@ def main():
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     p.add_argument("--torch-python", default=str(BIN / "python"), help="a Python that has torch")
     p.add_argument("--one-core", action="store_true", help="only the one-thread pair, no ceilings")
+    p.add_argument("--max-wait", type=float, default=60,
+                   help="seconds to wait before each round for others' jobs to leave a core free")
     args = p.parse_args()
     rows = []
     for name, cfg in (CONFIGS[key] for key in args.configs):
         results = {}
         for _ in range(args.rounds):
+            busy = quiet_moment(args.max_wait)      # each round starts, if it can, with a core free
             for label, cmd in runs(cfg, args.iters, args.torch_python, args.one_core).items():
                 result = run_json(cmd)
                 # the machine is shared: each run carries the load it started under
-                print(json.dumps({"config": name, "run": label, "load_1min": os.getloadavg()[0], **result}),
-                      flush=True)
+                print(json.dumps({"config": name, "run": label, "others_busy_before_round": round(busy, 2),
+                                  "load_1min": os.getloadavg()[0], **result}), flush=True)
                 results.setdefault(label, []).append(result)
         # PyTorch's MFU against the same yardstick: the model FLOPs per token and the
         # sgemm peak per core that numpitron's runs of this config measured.
