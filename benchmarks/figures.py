@@ -107,7 +107,7 @@ def bubble_table(sweep: dict) -> list[str]:
     return rows
 
 
-# Chapter 7's table: (ranks, layout, flags, global batch); "x one process" compares each
+# Chapter 12's table: (ranks, layout, flags, global batch); "x one process" compares each
 # row with the one-process row of the same global batch.
 THROUGHPUT_ROWS = [(1, "one process", [], 12), (1, "one process", [], 24),
                    (2, "dp = 2", ["--data-parallel-size", "2"], 24),
@@ -122,7 +122,7 @@ THROUGHPUT_ROWS = [(1, "one process", [], 12), (1, "one process", [], 24),
 
 
 def layouts(plt, iters: int) -> dict:
-    """Throughput per layout (the figure and chapter 7's table, from one sweep), and bytes
+    """Throughput per layout (the figure and chapter 12's table, from one sweep), and bytes
     per collective kind against the planner's formula."""
     results = {}
     for ranks, label, flags, batch in THROUGHPUT_ROWS:
@@ -158,7 +158,7 @@ def layouts(plt, iters: int) -> dict:
 
 
 def throughput_table(results: dict) -> list[str]:
-    """Chapter 7's table, from the sweep that drew throughput.svg."""
+    """Chapter 12's table, from the sweep that drew throughput.svg."""
     serial = {r["global_batch"]: r["tokens_per_s"] for r in results.values() if r["ranks"] == 1}
     rows = ["| ranks | layout | global batch | tokens/s | x one process | bytes per iteration | MFU |",
             "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -217,7 +217,7 @@ def main():
     p.add_argument("--only", choices=["memory_zero", "bubble", "layouts"],
                    help="make this figure alone (figures.json keeps the rest)")
     p.add_argument("--tables", action="store_true",
-                   help="print chapter 5's table and chapter 7's from figures.json (the runs that drew their figures)")
+                   help="print chapter 5's table and chapter 12's from figures.json (the runs that drew their figures)")
     args = p.parse_args()
     if args.tables:
         data = json.loads((FIGURES / "figures.json").read_text())

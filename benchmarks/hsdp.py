@@ -1,6 +1,6 @@
 """ZeRO-3, hybrid sharding (HSDP) and plain data parallelism on the scaled cluster, at
 several inter-host rates: step time and the bytes host 0's link carried, beside the
-planner's prediction and its crossover (docs/12-zero-2-and-3.md). Needs root.
+planner's prediction and its crossover (docs/07-zero-2-and-3.md). Needs root.
 
     python benchmarks/hsdp.py                       # rates 4x, 1x, 1/4x the scaled InfiniBand
     python benchmarks/hsdp.py --rates 1,0.25 --iters 3

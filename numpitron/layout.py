@@ -82,7 +82,7 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
 
 
 def _check_experts(model: ModelConfig, parallel, data: int, context: int, expert: int) -> None:
-    """Expert parallelism splits the experts over ranks carved out of dp (docs/14-experts.md)."""
+    """Expert parallelism splits the experts over ranks carved out of dp (docs/11-experts.md)."""
     if expert < 1:
         raise UserError(f"expert-parallel size must be positive, got {expert}")
     if expert > 1 and not model.num_experts:

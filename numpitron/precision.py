@@ -1,4 +1,4 @@
-"""Mixed-precision training emulated in float32 (docs/18-numbers.md; Micikevicius et al.
+"""Mixed-precision training emulated in float32 (docs/16-numbers.md; Micikevicius et al.
 2018, "Mixed Precision Training", §3).
 
 A run in bf16 or fp16 keeps three things in the low format and everything else in fp32:

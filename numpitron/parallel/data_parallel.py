@@ -75,7 +75,7 @@ class DataParallelOptimizer(DistributedOptimizer):
     def reduce_grads(self) -> None:
         self.buckets.finish()
         # The sum becomes the global batch's mean: divided by the data-parallel ranks it
-        # covers (the group's size, but for experts: docs/14-experts.md).
+        # covers (the group's size, but for experts: docs/11-experts.md).
         self.store.grad *= 1.0 / self.group.batch_ranks
 
     def grad_sumsq(self) -> float:
