@@ -1,5 +1,5 @@
 """Every 4-rank layout on a simulated cluster scaled to an A100 cluster, measured
-beside the planner's prediction (docs/17-many-hosts.md). Needs root.
+beside the planner's prediction (docs/15-many-hosts.md). Needs root.
 
     python benchmarks/cluster_layouts.py                      # the default model
     python benchmarks/cluster_layouts.py --model nanogpt      # 6 layers, 6 heads, d 384, T 256

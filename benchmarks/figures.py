@@ -72,6 +72,8 @@ def loss_curves(plt, data_dir: Path, iters: int) -> dict:
 
 
 def bubble(plt, iters: int) -> dict:
+    """The bubble of a 2-stage pipeline against m, measured and by formula: the figure and
+    chapter 5's table (`--tables`) both come from this one sweep."""
     sweep = {}
     for schedule in ("1f1b", "gpipe"):
         for m in (1, 2, 4, 8, 16):
@@ -79,43 +81,70 @@ def bubble(plt, iters: int) -> dict:
                 "--pipeline-parallel-size", "2", "--pipeline-schedule", schedule, "--micro-batch-size", "4",
                 "--global-batch-size", str(4 * m), "--iters", str(iters), "--warmup", "3"]))
             sweep.setdefault(schedule, []).append((m, result["pipeline_bubble_measured_median"],
-                                                   result["pipeline_bubble_formula"]))
+                                                   result["pipeline_bubble_formula"],
+                                                   result["peak_activation_bytes_per_rank"][0], result["tokens_per_s"]))
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for schedule, points in sweep.items():
-        ms, measured, formula = zip(*points)
+        ms, measured = [p[0] for p in points], [p[1] for p in points]
         ax.plot(ms, measured, "o-", label=f"{schedule}, measured")
-    ax.plot(ms, formula, "k--", label="(p-1)/(m+p-1)")
+    ax.plot(ms, [p[2] for p in points], "k--", label="(p-1)/(m+p-1)")
     ax.set(xscale="log", xlabel="micro-batches m", ylabel="bubble (idle share)", title="The bubble of a 2-stage pipeline")
     ax.set_xticks(ms, [str(m) for m in ms])
     ax.legend()
-    caption(ax, "mpiexec -n 2 python benchmarks/benchmark.py --pipeline-parallel-size 2 --micro-batch-size 4 "
-                "--global-batch-size 4m")
+    caption(ax, f"mpiexec -n 2 python benchmarks/benchmark.py --pipeline-parallel-size 2 --micro-batch-size 4 "
+                f"--global-batch-size 4m, medians of {iters} iterations")
     fig.savefig(FIGURES / "bubble.svg", bbox_inches="tight")
     return sweep
 
 
+def bubble_table(sweep: dict) -> list[str]:
+    """Chapter 5's table, from the sweep that drew bubble.svg."""
+    rows = ["| m | formula | 1F1B measured | GPipe measured | peak activations, stage 0 (1F1B / GPipe) |",
+            "| ---: | ---: | ---: | ---: | --- |"]
+    for one, gpipe in zip(sweep["1f1b"], sweep["gpipe"]):
+        rows.append(f"| {one[0]} | {one[2]:.3f} | {one[1]:.3f} | {gpipe[1]:.3f} | "
+                    f"{one[3] / 2**20:.1f} / {gpipe[3] / 2**20:.1f} MiB |")
+    return rows
+
+
+# Chapter 12's table: (ranks, layout, flags, global batch); "x one process" compares each
+# row with the one-process row of the same global batch.
+THROUGHPUT_ROWS = [(1, "one process", [], 12), (1, "one process", [], 24),
+                   (2, "dp = 2", ["--data-parallel-size", "2"], 24),
+                   (2, "dp = 2, ZeRO-1", ["--data-parallel-size", "2", "--zero-stage", "1"], 24),
+                   (2, "tp = 2", ["--tensor-parallel-size", "2"], 12),
+                   (2, "tp = 2, sequence parallel", ["--tensor-parallel-size", "2", "--sequence-parallel"], 12),
+                   (2, "cp = 2", ["--context-parallel-size", "2"], 12),
+                   (1, "one process", [], 96),
+                   (2, "pp = 2, 1F1B, m = 8", ["--pipeline-parallel-size", "2"], 96),
+                   (4, "tp = 2 x dp = 2", ["--tensor-parallel-size", "2", "--data-parallel-size", "2"], 24),
+                   (4, "pp = 2 x dp = 2, m = 4", ["--pipeline-parallel-size", "2", "--data-parallel-size", "2"], 96)]
+
+
 def layouts(plt, iters: int) -> dict:
-    """Throughput per layout, and bytes per collective kind against the planner's formula."""
+    """Throughput per layout (the figure and chapter 12's table, from one sweep), and bytes
+    per collective kind against the planner's formula."""
     results = {}
-    for label, ranks, flags in LAYOUTS:
-        args = flags + ["--iters", str(iters), "--warmup", "3"]
-        if "--pipeline-parallel-size" in flags:
-            args += ["--global-batch-size", "96"]
-        measured = run_json(launch(ranks, "benchmarks/benchmark.py", args))
-        planned = run_json([str(BIN / "python"), "-m", "numpitron.plan", "--json", "--devices", str(ranks),
-                            *[a for a in args if a not in ("--iters", "--warmup", str(iters), "3")]])
-        results[label] = {"tokens_per_s": measured["tokens_per_s"], "global_batch": measured["mesh"]["global_batch"],
-                          "bytes": measured["comm_bytes_per_iter_by_kind"],
-                          "planned_bytes": planned["stages"][0]["comm_bytes"]}
-    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for ranks, label, flags, batch in THROUGHPUT_ROWS:
+        args = flags + ["--global-batch-size", str(batch), "--micro-batch-size", "12"]
+        measured = run_json(launch(ranks, "benchmarks/benchmark.py", args + ["--iters", str(iters), "--warmup", "3"]))
+        planned = run_json([str(BIN / "python"), "-m", "numpitron.plan", "--json", "--devices", str(ranks), *args])
+        results[f"{label}, batch {batch}"] = {
+            "ranks": ranks, "layout": label, "tokens_per_s": measured["tokens_per_s"], "global_batch": batch,
+            "mfu": measured["mfu"], "comm_bytes_per_iter": measured["comm_bytes_per_iter"],
+            "bytes": measured["comm_bytes_per_iter_by_kind"], "planned_bytes": planned["stages"][0]["comm_bytes"]}
+    fig, ax = plt.subplots(figsize=(6.4, 4.5))
     labels = list(results)
     ax.barh(labels, [results[k]["tokens_per_s"] for k in labels], color="#4c78a8")
+    ax.invert_yaxis()
+    ax.tick_params(axis="y", labelsize=7)
     ax.set(xlabel="tokens/s", title="Throughput per layout, default model")
-    caption(ax, "python benchmarks/benchmark.py under mpiexec -n 1 or 2; pp = 2 at global batch 96 (m = 8)")
+    caption(ax, f"python benchmarks/benchmark.py under mpiexec -n 1, 2 or 4, medians of {iters} iterations")
     fig.savefig(FIGURES / "throughput.svg", bbox_inches="tight")
     fig, ax = plt.subplots(figsize=(6.4, 4.5))
-    rows = [(f"{label}: {kind}", data["bytes"][kind], data["planned_bytes"].get(kind, 0))
-            for label, data in results.items() for kind in sorted(data["bytes"]) if data["bytes"][kind] > 100]
+    rows = [(f"{data['layout']}: {kind}", data["bytes"][kind], data["planned_bytes"].get(kind, 0))
+            for data in results.values() if data["ranks"] == 2 for kind in sorted(data["bytes"])
+            if data["bytes"][kind] > 100]
     names, measured, planned = zip(*rows)
     y = range(len(rows))
     ax.barh([i + 0.2 for i in y], [m / 1e6 for m in measured], height=0.4, label="measured (CommStats)")
@@ -126,6 +155,19 @@ def layouts(plt, iters: int) -> dict:
     caption(ax, "benchmarks/benchmark.py against python -m numpitron.plan with the same flags")
     fig.savefig(FIGURES / "bytes.svg", bbox_inches="tight")
     return results
+
+
+def throughput_table(results: dict) -> list[str]:
+    """Chapter 12's table, from the sweep that drew throughput.svg."""
+    serial = {r["global_batch"]: r["tokens_per_s"] for r in results.values() if r["ranks"] == 1}
+    rows = ["| ranks | layout | global batch | tokens/s | x one process | bytes per iteration | MFU |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results.values():
+        speedup = "1.00" if r["ranks"] == 1 else f"{r['tokens_per_s'] / serial[r['global_batch']]:.2f}"
+        sent = f"{r['comm_bytes_per_iter'] / 2**20:.2f} MiB" if r["comm_bytes_per_iter"] else "0"
+        rows.append(f"| {r['ranks']} | {r['layout']} | {r['global_batch']} | {r['tokens_per_s']:,.0f} | "
+                    f"{speedup} | {sent} | {r['mfu']:.2f} |")
+    return rows
 
 
 def memory(plt) -> dict:
@@ -155,7 +197,7 @@ def memory(plt) -> dict:
 
 
 def hsdp_rates(plt) -> dict:
-    """ZeRO-3, HSDP and plain dp against the inter-host rate (docs/12-zero-2-and-3.md),
+    """ZeRO-3, HSDP and plain dp against the inter-host rate (docs/07-zero-2-and-3.md),
     drawn from what benchmarks/hsdp.py measured on the simulated cluster (it needs root,
     so `make figures` redraws from its JSON, docs/figures/hsdp.json, and does not rerun it)."""
     import statistics
@@ -272,13 +314,15 @@ def draw_precision_drift(plt, results: dict) -> None:
     fig.savefig(FIGURES / "precision_drift.svg", bbox_inches="tight")
 
 
-# The figures that can be made alone (`--only NAME`), each from (plt, data_dir):
+# The figures that can be made alone (`--only NAME`), each from (plt, data_dir, iters):
 ALONE = {
-    "memory_zero": lambda plt, data_dir: memory(plt),
-    "experts_compare": lambda plt, data_dir: experts_compare(data_dir, 300),
-    "cluster_rates": lambda plt, data_dir: cluster_rates(plt),
-    "precision_drift": lambda plt, data_dir: precision_drift(plt, data_dir, 200),
-    "hsdp_rates": lambda plt, data_dir: hsdp_rates(plt),
+    "memory_zero": lambda plt, data_dir, iters: memory(plt),
+    "bubble": lambda plt, data_dir, iters: bubble(plt, iters),
+    "layouts": lambda plt, data_dir, iters: layouts(plt, iters),
+    "experts_compare": lambda plt, data_dir, iters: experts_compare(data_dir, 300),
+    "cluster_rates": lambda plt, data_dir, iters: cluster_rates(plt),
+    "precision_drift": lambda plt, data_dir, iters: precision_drift(plt, data_dir, 200),
+    "hsdp_rates": lambda plt, data_dir, iters: hsdp_rates(plt),
 }
 
 
@@ -288,14 +332,20 @@ def main():
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", choices=sorted(ALONE),
                    help="make this figure alone (figures.json keeps the rest)")
+    p.add_argument("--tables", action="store_true",
+                   help="print chapter 5's table and chapter 12's from figures.json (the runs that drew their figures)")
     args = p.parse_args()
+    if args.tables:
+        data = json.loads((FIGURES / "figures.json").read_text())
+        print("\n".join(bubble_table(data["bubble"]) + [""] + throughput_table(data["layouts"])))
+        return
     import matplotlib
     matplotlib.use("svg")
     import matplotlib.pyplot as plt
     FIGURES.mkdir(parents=True, exist_ok=True)
     if args.only:
         data = json.loads((FIGURES / "figures.json").read_text())
-        data[args.only] = ALONE[args.only](plt, Path(args.data_dir).resolve())
+        data[args.only] = ALONE[args.only](plt, Path(args.data_dir).resolve(), 5 if args.quick else 20)
         (FIGURES / "figures.json").write_text(json.dumps(data, indent=1) + "\n")
         return
     iters = 5 if args.quick else 20

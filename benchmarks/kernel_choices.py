@@ -1,4 +1,4 @@
-"""Each speed choice of chapter 15 against the alternative it replaced, in one process.
+"""Each speed choice of the speed appendix (docs/) against the alternative it replaced, in one process.
 
     python benchmarks/kernel_choices.py [--reps 30]
 

@@ -2,9 +2,11 @@
 
     pip install -e ".[bench]"          # PyTorch, for this script only
     python benchmarks/vs_pytorch.py [--iters 30] [--rounds 2] [--configs default nanogpt]
+    python benchmarks/vs_pytorch.py --one-core --rounds 5 --configs default
 
-For each model config: PyTorch with 1 thread against numpitron on one process (one
-BLAS thread), then PyTorch with 2 threads against numpitron on 2 ranks (dp = 2, plain
+PyTorch's side is nanoGPT's model and training loop (benchmarks/nanogpt_reference.py),
+the code a PyTorch user knows. For each model config: PyTorch with 1 thread against
+numpitron on one process (one BLAS thread) (`--one-core` stops here), then PyTorch with 2 threads against numpitron on 2 ranks (dp = 2, plain
 and with ZeRO-2, and tp = 2, same global batch); and the ceilings of numpitron's step
 on these BLAS calls, its matmuls alone and its matmuls with the exponentials of exact
 GELU and softmax (benchmarks/matmul_ceiling.py), on one core and twice that for two.
@@ -17,8 +19,10 @@ median tokens/s. Prints a Markdown table and one JSON object per run.
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -34,20 +38,41 @@ def model_flags(cfg: dict) -> list[str]:
     return [f"--{k.replace('_', '-')}={v}" for k, v in cfg.items() if k != "batch"]
 
 
+def busy_share(seconds: float = 2.0) -> float:
+    """The share of the machine's CPU time others used over a few seconds (run between our runs)."""
+    def ticks():
+        fields = [int(x) for x in open("/proc/stat").readline().split()[1:9]]
+        return sum(fields) - fields[3] - fields[4], sum(fields)   # busy, total (idle and iowait aside)
+    (b1, t1), _ = ticks(), time.sleep(seconds)
+    b2, t2 = ticks()
+    return (b2 - b1) / max(1, t2 - t1)
+
+
+def quiet_moment(max_wait: float) -> float:
+    """Wait (up to max_wait s) until at least one core is free; return the busy share seen last."""
+    deadline = time.monotonic() + max_wait
+    while (busy := busy_share()) > 0.5 and time.monotonic() < deadline:
+        pass
+    return busy
+
+
 def run_json(cmd: list[str]) -> dict:
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def runs(cfg: dict, iters: int) -> dict:
+def runs(cfg: dict, iters: int, torch_python: str, one_core: bool) -> dict:
     """label -> command printing one JSON object with tokens_per_s and peak_rss_mb."""
-    torch = [str(BIN / "python"), "benchmarks/torch_reference.py", f"--batch={cfg['batch']}",
+    torch = [torch_python, "benchmarks/nanogpt_reference.py", f"--batch={cfg['batch']}",
              f"--iters={iters}", *model_flags(cfg)]
     ours = [str(BIN / "python"), "benchmarks/benchmark.py", f"--global-batch-size={cfg['batch']}",
             f"--iters={iters}", *model_flags(cfg)]
     two = [str(BIN / "mpiexec"), "-n", "2"] + ours
     dp2 = two + ["--data-parallel-size=2", f"--micro-batch-size={cfg['batch'] // 2}"]
     ceiling = [str(BIN / "python"), "benchmarks/matmul_ceiling.py", f"--batch={cfg['batch']}", *model_flags(cfg)]
+    if one_core:
+        return {"pytorch, 1 thread": torch + ["--threads=1"],
+                "numpitron, 1 process": ours + [f"--micro-batch-size={cfg['batch']}"]}
     return {
         "numpitron's matmuls alone, 1 core": ceiling,
         "pytorch, 1 thread": torch + ["--threads=1"],
@@ -55,7 +80,7 @@ def runs(cfg: dict, iters: int) -> dict:
         "pytorch, 2 threads": torch + ["--threads=2"],
         "numpitron, dp = 2": dp2,
         # ZeRO-2: each rank runs AdamW on half the parameters, and the gradients'
-        # reduce-scatter moves half an all-reduce's bytes in the backward (docs/12-zero-2-and-3.md).
+        # reduce-scatter moves half an all-reduce's bytes in the backward (docs/07-zero-2-and-3.md).
         "numpitron, dp = 2, ZeRO-2": dp2 + ["--zero-stage=2"],
         "numpitron, tp = 2": two + ["--tensor-parallel-size=2", f"--micro-batch-size={cfg['batch']}"],
     }
@@ -71,14 +96,21 @@ def main():
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    p.add_argument("--torch-python", default=str(BIN / "python"), help="a Python that has torch")
+    p.add_argument("--one-core", action="store_true", help="only the one-thread pair, no ceilings")
+    p.add_argument("--max-wait", type=float, default=60,
+                   help="seconds to wait before each round for others' jobs to leave a core free")
     args = p.parse_args()
     rows = []
     for name, cfg in (CONFIGS[key] for key in args.configs):
         results = {}
         for _ in range(args.rounds):
-            for label, cmd in runs(cfg, args.iters).items():
+            busy = quiet_moment(args.max_wait)      # each round starts, if it can, with a core free
+            for label, cmd in runs(cfg, args.iters, args.torch_python, args.one_core).items():
                 result = run_json(cmd)
-                print(json.dumps({"config": name, "run": label, **result}), flush=True)
+                # the machine is shared: each run carries the load it started under
+                print(json.dumps({"config": name, "run": label, "others_busy_before_round": round(busy, 2),
+                                  "load_1min": os.getloadavg()[0], **result}), flush=True)
                 results.setdefault(label, []).append(result)
         # PyTorch's MFU against the same yardstick: the model FLOPs per token and the
         # sgemm peak per core that numpitron's runs of this config measured.
@@ -96,15 +128,21 @@ def main():
         # Two cores can at best double one core's rate: the ceilings of any 2-rank layout,
         # the matmuls alone and the matmuls with the exponentials nothing can skip (the
         # first one's one-core row is already in, as a run of its own).
-        alone = results["numpitron's matmuls alone, 1 core"]
+        alone = results.get("numpitron's matmuls alone, 1 core", [])
         ceilings = (("matmuls alone", "tokens_per_s", "mfu", (2,)),
-                    ("matmuls and exps alone", "tokens_per_s_with_exps", "mfu_with_exps", (1, 2)))
+                    ("matmuls and exps alone", "tokens_per_s_with_exps", "mfu_with_exps", (1, 2))) if alone else ()
         for what, rate, mfu, cores_rows in ceilings:
             for cores in cores_rows:
                 ratios = [cores * r[rate] / b["tokens_per_s"] for r, b in zip(alone, base[cores])]
                 label = f"numpitron's {what}, " + ("1 core" if cores == 1 else f"{cores} cores (twice 1)")
                 rows.append((name, label, cores * statistics.median(r[rate] for r in alone), ratios,
                              max(r["peak_rss_mb"] for r in alone), statistics.median(r[mfu] for r in alone)))
+    if args.one_core:
+        # on a loaded machine a run's fastest step is the one least disturbed by others' jobs
+        best = [b["ms_per_iter_min"] / r["ms_per_iter_min"]
+                for b, r in zip(results["pytorch, 1 thread"], results["numpitron, 1 process"])]
+        print(f"\nfastest step, numpitron over PyTorch: median {statistics.median(best):.2f} "
+              f"(rounds {min(best):.2f} to {max(best):.2f})")
     print("\n| config | run | tokens/s | x PyTorch (same threads) | range over rounds | MFU | peak RSS MB |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for name, label, tps, ratios, rss, mfu in rows:

@@ -63,7 +63,7 @@ def add_parallel_flags(p: argparse.ArgumentParser) -> None:
     d = ParallelConfig()
     g = p.add_argument_group("parallelism")
     g.add_argument("--pipeline-schedule", choices=SCHEDULES, default=d.schedule,
-                   help="the order of forwards and backwards on each stage (docs/10-pipeline-schedules.md)")
+                   help="the order of forwards and backwards on each stage (docs/09-pipeline-schedules.md)")
     g.add_argument("--virtual-stages", type=int, default=d.virtual_stages,
                    help="chunks of layers per pipeline rank, with --pipeline-schedule interleaved "
                         "(zb-v and dualpipev: always 2, placed in a V)")
@@ -130,7 +130,7 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
         g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
     g.add_argument("--precision", default=d.precision,
                    help="fp32, or bf16 / fp16 / fp8 (linear layers' products in FP8, the rest bf16) with fp32 master "
-                        "weights (docs/18-numbers.md)")
+                        "weights (docs/16-numbers.md)")
     g.add_argument("--loss-scale", type=float, default=d.loss_scale,
                    help="initial loss scale, a power of two (0: fp16 starts at 2^16, the others use none)")
     g.add_argument("--loss-scale-window", type=int, default=d.loss_scale_window,

@@ -24,8 +24,8 @@ SPLIT_BACKWARD = (ZERO_BUBBLE, ZB_V, DUALPIPE_V)
 # virtual stage on pp rank 0.
 V_SHAPED = (ZB_V, DUALPIPE_V)
 RECOMPUTE = ("none", "selective", "full")
-LOAD_BALANCING = ("aux-loss", "bias")                          # docs/14-experts.md
-CONTEXT_PARALLEL_TYPES = ("ring", "ulysses", "hybrid")         # docs/13-context-parallelism.md
+LOAD_BALANCING = ("aux-loss", "bias")                          # docs/11-experts.md
+CONTEXT_PARALLEL_TYPES = ("ring", "ulysses", "hybrid")         # docs/10-context-parallelism.md
 OPTIMIZERS = ("adamw", "muon")
 
 
@@ -37,7 +37,7 @@ class ModelConfig:
     n_heads: int = 4
     d_model: int = 128
     dtype: str = "float32"
-    # Mixture of experts (docs/14-experts.md); 0 experts: every block has the dense MLP.
+    # Mixture of experts (docs/11-experts.md); 0 experts: every block has the dense MLP.
     num_experts: int = 0
     moe_top_k: int = 2               # experts per token
     moe_every: int = 1               # block i is MoE when i % moe_every == 0
@@ -169,7 +169,7 @@ class TrainConfig:
     save_interval: int = 0              # 0: only on improvement and at the end
     keep_checkpoints: int = 2
     seed: int = 1337
-    # Mixed precision (docs/18-numbers.md): fp32, or bf16 / fp16 / fp8 with fp32 master weights.
+    # Mixed precision (docs/16-numbers.md): fp32, or bf16 / fp16 / fp8 with fp32 master weights.
     precision: str = "fp32"
     loss_scale: float = 0.0             # the initial loss scale; 0: the format's (fp16 2^16, else 1)
     loss_scale_window: int = 1000       # fp16: clean steps before the scale doubles

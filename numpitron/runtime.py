@@ -8,10 +8,10 @@ Imports nothing heavy, so entry points can call it first thing.
 * When a host runs more ranks than it has cores, MPICH ranks waiting in MPI spin
   a whole core and starve the ones doing work; MPIR_CVAR_ENABLE_HEAVY_YIELD makes
   them yield instead. It slows small collectives, so it is only set when
-  oversubscribed (and never if the user set it; chapter 15 has the measurement).
+  oversubscribed (and never if the user set it; benchmarks/README.md has the measurement).
 * glibc is told to keep freed memory instead of handing it back to the OS. With its
   defaults every step's activations (several MB) are unmapped when freed and
-  page-faulted in again by the next step, in the kernel (chapter 15).
+  page-faulted in again by the next step, in the kernel (the speed appendix of docs/).
 """
 
 import ctypes

@@ -50,7 +50,7 @@ class Trainer:
         self.optimizers = make_optimizers(self.model, topo, train_cfg, parallel_cfg)
         self.optimizer = self.optimizers[0]
         self.model.residency = self.optimizer.residency(self.model)
-        # Mixed precision (docs/18-numbers.md): activations rounded between layers,
+        # Mixed precision (docs/16-numbers.md): activations rounded between layers,
         # gradients rounded, unscaled and checked by `step_mixed`.
         self.precision = FORMATS[train_cfg.precision]
         self.model.precision = self.precision

@@ -1,4 +1,4 @@
-"""The simulated cluster (numpitron/cluster, docs/17-many-hosts.md): its life cycle, each
+"""The simulated cluster (numpitron/cluster, docs/15-many-hosts.md): its life cycle, each
 rank on its own host, every strategy exact across hosts, the bytes a host's link counts
 against the formula, and a job whose host loses its link ending with one line.
 

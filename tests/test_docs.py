@@ -6,6 +6,8 @@ page's table of the house. Every figure a page names is drawn again by `make fig
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,3 +105,14 @@ def test_every_figure_a_page_names_is_drawn_by_make_figures():
     missing = sorted({f"{page.name}: {name}" for page in PAGES for name in FIGURE.findall(page.read_text())
                       if name not in drawn})
     assert not missing, "figures no script of `make figures` draws:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("chapter", ["*-pipeline-parallelism.md", "*-putting-it-together.md"])
+def test_tables_beside_figures_come_from_the_runs_that_drew_them(chapter):
+    """bubble.svg and throughput.svg, and the tables beside them, come from one sweep:
+    the tables `figures.py --tables` prints from figures.json stand in the chapter."""
+    tables = subprocess.run([sys.executable, str(REPO / "benchmarks/figures.py"), "--tables"], check=True,
+                            capture_output=True, text=True, cwd=REPO).stdout.split("\n\n")
+    page = next((REPO / "docs").glob(chapter))
+    table = tables[0] if "pipeline" in chapter else tables[1]
+    assert table.strip() in page.read_text(), f"{page.name} lacks the table of figures.json:\n{table}"

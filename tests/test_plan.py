@@ -70,7 +70,7 @@ def test_planned_memory_bytes_and_activations_equal_two_ranks_counts(layout):
     assert_on_every_rank(measured_and_planned(**layout))
 
 
-# Mixed precision (docs/18-numbers.md): 2 + 2 + 12 bytes a parameter, parameters gathered
+# Mixed precision (docs/16-numbers.md): 2 + 2 + 12 bytes a parameter, parameters gathered
 # at 2 bytes, gradients summed at 2 or 4; each ZeRO stage once, both formats and both
 # reduce dtypes among them; the activations under full recomputation at 2 bytes.
 MIXED_2 = [dict(data=2, mixed=dict(precision="bf16", grad_reduce_dtype="param")),

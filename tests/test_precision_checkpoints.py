@@ -1,4 +1,4 @@
-"""Checkpoints of mixed-precision runs (docs/18-numbers.md): the fp16 loss scaler resumes
+"""Checkpoints of mixed-precision runs (docs/16-numbers.md): the fp16 loss scaler resumes
 where it stopped, and a checkpoint (fp32 master weights, fp32 moments) loads into any
 precision on any mesh, its master weights exactly what was saved."""
 

@@ -12,7 +12,7 @@ it against the formula for each parallel strategy:
     all_to_all(v)             bytes this rank sends to the others (its own block stays)
 
 A reduction or gather may travel in a `wire` format MPI does not know (bf16, fp16 of a
-mixed-precision run, docs/18-numbers.md): the buffer is cast to it, moved as 2-byte
+mixed-precision run, docs/16-numbers.md): the buffer is cast to it, moved as 2-byte
 integers (so the bytes counted are the format's), summed by `low_format_sum` (each
 addition in fp32, rounded back to the format, as a 16-bit add on a device gives), and
 cast back into the buffer when the call completes (distributed/wire.py).

@@ -34,7 +34,7 @@ from numpitron.nn.functional import softmax_lastdim_with_lse_
 
 _MASKS = {}
 # Query rows per tile. Smaller tiles skip more of the masked triangle but make the
-# batched matmuls smaller, and BLAS pays per matrix (chapter 15 gives the sizes tried).
+# batched matmuls smaller, and BLAS pays per matrix (the speed appendix of docs/ gives the sizes tried).
 QUERY_TILE = 64
 
 

@@ -63,7 +63,7 @@ class VocabParallelEmbedding(Layer):
 
     def backward_weights(self, cache):
         # dE[v] = sum of dx over the tokens equal to v: a one-hot (V/tp, N) matrix times
-        # dx, one BLAS call instead of NumPy's unbuffered scatter-add np.add.at (chapter 15).
+        # dx, one BLAS call instead of NumPy's unbuffered scatter-add np.add.at (the speed appendix of docs/).
         local_vocab = self.weight.data.shape[0]
         onehot = (np.arange(local_vocab)[:, None] == cache["rows"]) & cache["owned"]
         dy = self.region.output_grad(cache["dy"])     # every token's gradient, whole

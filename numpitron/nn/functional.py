@@ -1,5 +1,5 @@
 """Element-wise kernels with closed-form backward, written to make few passes over
-memory: at d_model 128 these cost as much as the matmuls (chapter 15 measures each).
+memory: at d_model 128 these cost as much as the matmuls (the speed appendix of docs/ measures each).
 Their plain forms are in numpitron/reference.py, and the tests hold each kernel to it.
 
 GPT-2's tanh GELU is computed through the identity 0.5 (1 + tanh(u)) = sigmoid(2u):
@@ -31,7 +31,7 @@ import numpy as np
 _GELU_S = math.sqrt(2.0 / math.pi)
 _GELU_A = 0.044715
 # Elements per tile: 256 KiB of float32 per array. Fewer, longer tiles pay fewer NumPy
-# calls; shorter ones stay in L2. Chapter 15 gives the sizes tried.
+# calls; shorter ones stay in L2. benchmarks/README.md gives the sizes tried.
 TILE_ELEMENTS = 1 << 16
 
 

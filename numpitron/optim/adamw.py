@@ -17,7 +17,7 @@ import numpy as np
 # Elements updated at a time: the thirteen passes of one chunk over p, g, m, v and a
 # scratch buffer stay in the CPU's cache instead of streaming the whole buffer from
 # memory thirteen times, while a chunk is long enough that its thirteen NumPy calls
-# cost little beside its passes (chapter 15 gives the sizes tried).
+# cost little beside its passes (benchmarks/README.md gives the sizes tried).
 CHUNK = 1 << 16
 
 

@@ -9,7 +9,7 @@ of the single-process gradient, whatever the mesh.
 
 The mask is fixed per parameter, so it is a handful of long runs over the flat
 buffer (`norm_runs`, built with it). Summing squares run by run reads only the
-gradients the mask keeps and makes no masked copy of them (chapter 15).
+gradients the mask keeps and makes no masked copy of them (the speed appendix of docs/).
 """
 
 import numpy as np

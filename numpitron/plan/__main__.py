@@ -145,7 +145,7 @@ def main(argv=None) -> int:
         if args.json:
             print(json.dumps({"parameters": counts}))
         raise UserError("the planner does not model mixture-of-experts layers yet (their all-to-all bytes "
-                        "depend on the routing): plan the dense model, see docs/14-experts.md; this model has "
+                        "depend on the routing): plan the dense model, see docs/11-experts.md; this model has "
                         + size_line(counts))
     if args.devices is not None and args.devices < 1:
         raise UserError(f"--devices must be positive, got {args.devices}")

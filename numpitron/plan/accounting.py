@@ -193,7 +193,7 @@ def state_bytes(model, parallel, rank: Rank, optimizer: str = "adamw", precision
     Alive only during a pass: the whole gradient buffer (stage 2), the gathered layers
     and their gradients (stage 3: the root, and two blocks, one computing while the
     next is prefetched or the last is reduce-scattered; one without overlap). The peak
-    is the sum. Mixed precision (docs/18-numbers.md): parameters and gradients in the
+    is the sum. Mixed precision (docs/16-numbers.md): parameters and gradients in the
     low format, 2 bytes; the optimizer state 12 bytes an element of its slice, the fp32
     master weights and both fp32 moments (Muon is fp32 only)."""
     fmt = FORMATS[precision]
@@ -282,7 +282,7 @@ def gradient_buckets(model, rank: Rank, bucket_size: int, padding: int = 0) -> i
 
 def comm_traffic(model, parallel, train, rank: Rank) -> dict:
     """{"<group>.<kind>": (bytes, calls)} of one training iteration on this rank. Mixed precision
-    (docs/18-numbers.md): dp gathers parameters in the low format, 2 bytes an element,
+    (docs/16-numbers.md): dp gathers parameters in the low format, 2 bytes an element,
     and sums gradients in it or in fp32 (--grad-reduce-dtype: `grad_item`); activations
     travel as the float32 arrays that hold them here."""
     item, tp, cp, pp = model.itemsize, rank.tp, rank.cp, rank.pp
