@@ -26,7 +26,7 @@ from numpitron.nn.block import Block
 from numpitron.nn.embedding import Embeddings, PositionEmbedding, VocabParallelEmbedding
 from numpitron.nn.head import LanguageModelHead
 from numpitron.nn.kv_cache import KVCache
-from numpitron.nn.layer import Layer
+from numpitron.nn.layer import Layer, sublayers
 from numpitron.nn.linear import ColumnParallelLinear, RowParallelLinear
 from numpitron.nn.moe import MixtureOfExperts, RoutingLog
 from numpitron.nn.param import ParamStore
@@ -202,12 +202,11 @@ class GPTStage(Layer):
 
     @precision.setter
     def precision(self, fmt) -> None:
-        """The run's number format: `_round` rounds to it, and a block under full
-        recomputation keeps its input in it (nn/recompute.py)."""
+        """The run's number format: `_round` rounds to it, and every layer rounds what it
+        produces to it and keeps its activations in it (nn/layer.py, Layer.precision)."""
         self._precision = fmt
-        for layer in self.layers:
-            if isinstance(layer, Recomputed):
-                layer.precision = fmt
+        for layer in sublayers(self.layers):
+            layer.precision = fmt
 
     def _round(self, x):
         """Activations and their gradients, as one layer hands them to the next, in the

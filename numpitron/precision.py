@@ -5,7 +5,8 @@ A run in bf16 or fp16 keeps three things in the low format and everything else i
 
   parameters    what the layers multiply by: the fp32 master weights rounded after every
                 update (optim/master_weights.py keeps the master copy, fp32 Adam moments);
-  activations   what one layer hands the next, and the gradient handed back (model.py);
+  activations   what each layer produces (nn/layer.py, Layer.precision) and keeps for its
+                backward, in 2-byte arrays; the gradient handed between layers (model.py);
   gradients     what the optimizer receives, after the reduction over dp.
 
 The layers themselves compute in float32: a BLAS on a CPU has no bf16 GEMM. A product of
@@ -15,13 +16,14 @@ sgemm, round the result" is a tensor-core matmul up to the order of the summatio
 LayerNorm, softmax and the loss compute in fp32 on a GPU as well.
 
 What is emulated exactly: the rounding (round to nearest even, `astype` of ml_dtypes and
-NumPy), the formats' ranges (fp16 overflows to inf above 65504, flushes below 2^-24).
-What is not: matmul outputs inside a block are kept in fp32 until the block's output is
-rounded, so what a layer caches for its backward (LayerNorm's x-hat, q, k, v, GELU's
-slope, ...) is not the format's values and stays in float32 arrays; the memory report
-counts parameters and gradients at the format's size (optim/memory_report.py). The one
-cached activation that holds the format's values, a block's input under full
-recomputation, is kept in a 2-byte array (`keep`, nn/recompute.py).
+NumPy), the formats' ranges (fp16 overflows to inf above 65504, flushes below 2^-24),
+and each kernel writing its output in the low format: a layer rounds what it produces
+(a GEMM's output, a LayerNorm's, GELU's, the softmax's, attention's) and keeps its
+activations for the backward in 2-byte arrays (`keep`), widened where the backward reads
+them (`widen`). The statistics (LayerNorm's 1/std, attention's log-sum-exps) and the
+loss's probabilities stay fp32, as accelerators' kernels keep them. What is not: the
+arithmetic in between runs in float32 arrays (two casts a rounding); the memory report
+counts parameters and gradients at the format's size (optim/memory_report.py).
 """
 
 from dataclasses import dataclass
@@ -60,8 +62,8 @@ class Format:
             return x.astype(self.dtype).astype(x.dtype)
 
     def keep(self, x: np.ndarray) -> np.ndarray:
-        """x as a cache keeps it for the backward: a 2-byte array in a mixed run (exact
-        only when x already holds the format's values, as a rounded activation does),
+        """x as a cache keeps it for the backward: a 2-byte array in a mixed run (x's
+        rounding; exact when x holds the format's values, as a layer's output does),
         x itself in fp32. `widen` gives the float32 array back."""
         return x.astype(self.dtype) if self.mixed else x
 

@@ -5,17 +5,21 @@ tests compare it with `cache_nbytes` of real caches, to the byte).
 For B sequences of T tokens (the rank's part after context parallelism), width C, H
 heads, tp tensor-parallel ranks and no dropout, in elements:
 
-    LayerNorm regions (2 LayerNorms: x-hat and 1/std; 2 column-layer inputs)
-                                  4 n C + 2 n            n = B T, or B T / tp sequence-parallel
+    LayerNorm regions (2 LayerNorms: x-hat; 2 column-layer inputs)
+                                  4 n C                  n = B T, or B T / tp sequence-parallel
     attention: q, k, v            3 B T C / tp
                head outputs        B T C / tp
-               log-sum-exp        B H (T + G) / tp       the running one and each group's (G rows)
                probabilities      B H P / tp             P ~ T (T + t) / 2: query tiles of t rows
                                                          skip the keys in their future
     MLP: GELU's slope, output     8 B T C / tp
+    statistics: 1/std             2 n                    (the 2 LayerNorms)
+               log-sum-exp        B H (T + G) / tp       the running one and each group's (G rows)
 
 Selective recomputation drops the probabilities; full recomputation keeps only the
-block's input, n C.
+block's input, n C. The activations take `itemsize` bytes each: 2 in a bf16 or fp16
+run, which keeps them in the low format (nn/layer.py); the statistics `stat_itemsize`,
+4 there (they stay fp32, as accelerators' kernels keep them). In fp32 and float64 runs
+both are the dtype's size.
 """
 
 from numpitron.distributed.zigzag import zigzag_chunks
@@ -48,11 +52,13 @@ def lse_rows(T: int, cp: int = 1, cp_rank: int = 0) -> int:
 
 
 def block_activation_bytes(B: int, T: int, C: int, H: int, tp: int = 1, sequence_parallel: bool = False,
-                           recompute: str = "none", itemsize: int = 8, cp: int = 1, cp_rank: int = 0) -> int:
+                           recompute: str = "none", itemsize: int = 8, cp: int = 1, cp_rank: int = 0,
+                           stat_itemsize: int = 0) -> int:
     n = B * T // tp if sequence_parallel else B * T
     if recompute == "full":
         return itemsize * n * C
-    elements = 4 * n * C + 2 * n + (3 + 1 + 8) * B * T * C // tp + B * H * lse_rows(T, cp, cp_rank) // tp
+    activations = 4 * n * C + (3 + 1 + 8) * B * T * C // tp
     if recompute != "selective":
-        elements += B * H * attention_area(T, cp, cp_rank) // tp
-    return itemsize * elements
+        activations += B * H * attention_area(T, cp, cp_rank) // tp
+    statistics = 2 * n + B * H * lse_rows(T, cp, cp_rank) // tp
+    return itemsize * activations + (stat_itemsize or itemsize) * statistics

@@ -72,19 +72,24 @@ class ParallelAttention(Layer):
         q, k, v = self.heads.to_heads(self._split_heads(qkv))
         T = q.shape[2]                                   # the tokens attention sees
         q *= self.scale                                  # cheaper on (T, hd) than on (T, T)
-        state = AttentionState(q)
+        fmt = self.precision
+        fmt.round_(q)                                    # q keeps the scale: rounded with it
+        state = AttentionState(q, fmt)
         if kv is not None:                               # the new positions, after the cached ones
             keys, values, start = kv.append(k, v)
             groups = [attend_block(q, query_tiles([Chunk(0, T, start)]), keys, values, [Chunk(0, start + T, 0)], state)]
         else:
             groups = self._ring_forward(q, k, v, state)
         out = self.heads.to_tokens(state.out)            # back to this rank's tokens, H/tp heads
-        merged = out.transpose(0, 2, 1, 3).reshape(B, t, -1)
+        merged = fmt.round(out.transpose(0, 2, 1, 3).reshape(B, t, -1))     # the kernel writes the low format
         state.out = None             # the output projection keeps the merged copy
-        if not self.keep_probs:
-            groups = [[group._replace(probs=None) for group in step] for step in groups]
+        # Kept for the backward in the low format (2 bytes): q, k, v, the probabilities;
+        # the log-sum-exps stay fp32, as flash attention keeps them.
+        groups = [[group._replace(probs=fmt.keep(group.probs) if self.keep_probs else None) for group in step]
+                  for step in groups]
         y, proj_cache = self.proj.forward(merged)
-        return y, {"qkv": qkv_cache, "q": q, "k": k, "v": v, "state": state, "groups": groups, "proj": proj_cache}
+        return y, {"qkv": qkv_cache, "q": fmt.keep(q), "k": fmt.keep(k), "v": fmt.keep(v), "state": state,
+                   "groups": groups, "proj": proj_cache}
 
     def _ring_forward(self, q, k, v, state):
         """The softmax groups of every ring step, one list per step."""
@@ -102,12 +107,13 @@ class ParallelAttention(Layer):
         return groups
 
     def start_backward_input(self, dy, cache):
-        q, k, v, state = cache["q"], cache["k"], cache["v"], cache["state"]
+        fmt, state = self.precision, cache["state"]
+        q, k, v = (fmt.widen(cache[name]) for name in "qkv")
         dmerged = self.proj.backward_input(dy, cache["proj"])
         B, t, _ = dmerged.shape                          # this rank's tokens
         heads = (B, t, self.local_heads, self.head_dim)
         # D = rowsum(dO * O), from the merged output the projection kept: (B, H/tp, t, 1)
-        d_rowsum = row_sums((dmerged * cache["proj"]["x"]).reshape(-1, self.head_dim))
+        d_rowsum = row_sums((dmerged * fmt.widen(cache["proj"]["x"])).reshape(-1, self.head_dim))
         d_rowsum = d_rowsum.reshape(heads[:3]).transpose(0, 2, 1)[..., None]
         dout = np.ascontiguousarray(dmerged.reshape(heads).transpose(0, 2, 1, 3))
         dout, d_rowsum = self.heads.to_heads(dout), self.heads.to_heads(d_rowsum)    # as q was
@@ -121,7 +127,9 @@ class ParallelAttention(Layer):
             if not self.keep_probs:                      # recompute this block's probabilities
                 owner = (self.ring_rank - step) % cp
                 groups = attend_block(q, query_tiles(self.chunks(T, cp, self.ring_rank)), *block,
-                                      self.chunks(T, cp, owner), AttentionState(q))
+                                      self.chunks(T, cp, owner), AttentionState(q, fmt))
+            else:
+                groups = [group._replace(probs=fmt.widen(group.probs)) for group in groups]
             attend_block_backward(groups, q, *block, dout, d_rowsum, state, dq, *grads)
             # The block's gradients travel with it; after the last step, home to its owner.
             grads, grad_pending = self.ring.ring_pass(grads, GRAD_TAG)

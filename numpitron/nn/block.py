@@ -30,7 +30,7 @@ class Block(Layer):
         # x: (B, T, C) residual stream, replicated over tp
         h, ln1_cache = self.ln1.forward(x)
         a, attn_cache = self.attn.forward(h, kv=kv)
-        x = x + a
+        x = self.precision.round(x + a)     # the residual stream, in the low format
         h, ln2_cache = self.ln2.forward(x)
         m, mlp_cache = self.mlp.forward(h)
         x += m

@@ -31,6 +31,7 @@ import numpy as np
 
 from numpitron.distributed.zigzag import Chunk
 from numpitron.nn.functional import softmax_lastdim_with_lse_
+from numpitron.precision import FORMATS
 
 _MASKS = {}
 # Query rows per tile. Smaller tiles skip more of the masked triangle but make the
@@ -74,7 +75,8 @@ class AttentionState:
     """The running output O (B, H, T, hd) and log-sum-exp L (B, H, T, 1) of the queries,
     and how many groups each query chunk has folded in."""
 
-    def __init__(self, q):
+    def __init__(self, q, precision=FORMATS["fp32"]):
+        self.precision = precision      # the run's format: the probabilities are rounded to it
         self.out = np.empty_like(q)     # every query row is written by its first group
         self.lse = np.full(q.shape[:-1] + (1,), -np.inf, q.dtype)
         self.groups = {}
@@ -105,6 +107,7 @@ def attend_block(q, q_chunks, k, v, k_chunks, state: AttentionState) -> list[Sof
         if mask is not None:
             probs += mask
         lse = softmax_lastdim_with_lse_(probs)      # now P_g = softmax(S), in place
+        state.precision.round_(probs)               # the softmax kernel writes the low format
         seen = state.groups.get(qc, 0)
         if seen == 0:                               # the first group of these queries: write in place
             np.matmul(probs, v[:, :, :end], out=state.out[:, :, rows])

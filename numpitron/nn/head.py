@@ -17,8 +17,8 @@ class TiedLMHead(Layer):
     def forward(self, h):
         # h: (B, T, C) (or (B, T/tp, C) sequence-parallel) -> (B, T, V / tp)
         full = self.region.gather(h)
-        logits = rows(full) @ self.embedding.weight.data.T
-        return logits.reshape(*full.shape[:-1], -1), {"h": h}
+        logits = self.precision.round(rows(full) @ self.embedding.weight.data.T)
+        return logits.reshape(*full.shape[:-1], -1), {"h": self.precision.keep(h)}
 
     def start_backward_input(self, dlogits, cache):
         cache["dy"] = dlogits
@@ -27,7 +27,8 @@ class TiedLMHead(Layer):
         return self.region.start_input_grad(dh.reshape(dlogits.shape[:-1] + (-1,)))
 
     def backward_weights(self, cache):
-        self.embedding.weight.grad += rows(cache["dy"]).T @ rows(self.region.gather(cache["h"]))
+        h = self.precision.widen(cache["h"])
+        self.embedding.weight.grad += rows(cache["dy"]).T @ rows(self.region.gather(h))
 
 
 class LanguageModelHead(Layer):

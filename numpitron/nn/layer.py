@@ -29,6 +29,8 @@ computes meanwhile, and `wait` finishes it. A layer defines `backward_input` or
 
 import numpy as np
 
+from numpitron.precision import FORMATS
+
 
 class InFlight:
     """An input gradient whose collective may still be running: `wait` finishes it
@@ -45,6 +47,11 @@ class InFlight:
 
 
 class Layer:
+    # The run's number format (precision.py); GPTStage hands a mixed run's to every
+    # layer. A layer rounds what it produces to it, as an accelerator's kernel writes
+    # its output in bf16, and keeps it for the backward in 2 bytes (`keep`, `widen`).
+    precision = FORMATS["fp32"]
+
     def parameters(self) -> list:
         return []
 
@@ -73,6 +80,19 @@ def splits_backward(layer) -> bool:
     (a zero-bubble schedule runs them apart; pipeline.check_backward_splits asks)."""
     return (type(layer).backward_input is not Layer.backward_input
             or type(layer).start_backward_input is not Layer.start_backward_input)
+
+
+def sublayers(layers) -> list:
+    """The layers and every layer inside them (attributes and lists of them), once each."""
+    found, seen, todo = [], set(), list(layers)
+    while todo:
+        layer = todo.pop()
+        if isinstance(layer, Layer) and id(layer) not in seen:
+            seen.add(id(layer))
+            found.append(layer)
+            for value in vars(layer).values():
+                todo += value if isinstance(value, list) else [value]
+    return found
 
 
 def rows(x: np.ndarray) -> np.ndarray:

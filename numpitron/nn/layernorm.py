@@ -23,7 +23,9 @@ class LayerNorm(Layer):
 
     def forward(self, x):
         """y = (x - mean) / sqrt(var + eps) * weight + bias over the C channels of each
-        row (reference: numpitron.reference.layernorm). Keeps xhat and 1 / sqrt(var + eps)."""
+        row (reference: numpitron.reference.layernorm). Keeps xhat and 1 / sqrt(var + eps):
+        in a mixed run y and xhat in the low format, as a fused LayerNorm kernel writes
+        them (it keeps its input, whose rounding xhat's is here), 1/std in fp32."""
         # x: (B, T, C)
         inv_c = 1.0 / x.shape[-1]
         mean = row_sums(rows(x))[:, None]           # row means as matrix-vector products (BLAS)
@@ -37,13 +39,14 @@ class LayerNorm(Layer):
         xhat = np.multiply(centred, rstd, out=centred)
         y = xhat * self.weight.data
         y += self.bias.data
-        return y.reshape(x.shape), {"xhat": xhat, "rstd": rstd}
+        y = self.precision.round(y)
+        return y.reshape(x.shape), {"xhat": self.precision.keep(xhat), "rstd": rstd}
 
     def backward_input(self, dy, cache):
         """dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy * weight (chapter 1 derives
         it; reference: numpitron.reference.layernorm_backward). The weight half needs
         only two column sums, sum(dy xhat) and sum(dy), so the cache keeps those."""
-        xhat, rstd, w = rows(cache["xhat"]), rows(cache["rstd"]), self.weight.data
+        xhat, rstd, w = rows(self.precision.widen(cache["xhat"])), rows(cache["rstd"]), self.weight.data
         dy2 = rows(dy)
         dy_xhat = dy2 * xhat
         cache["dweight"], cache["dbias"] = column_sums(dy_xhat), column_sums(dy2)

@@ -53,9 +53,10 @@ class ColumnParallelLinear(Layer):
         y = self.matmul.forward(rows(full), self._w())
         if self.add_bias:
             y += self.bias.data.reshape(-1)
+        y = self.precision.round(y)    # a GEMM writes its output in the low format
         # Keep x as it came: sequence-parallel, that is 1/tp of the input (gathered
-        # again for the weight gradient).
-        return y.reshape(*full.shape[:-1], y.shape[-1]), {"x": x}
+        # again for the weight gradient). It holds the low format's values already.
+        return y.reshape(*full.shape[:-1], y.shape[-1]), {"x": self.precision.keep(x)}
 
     def start_backward_input(self, dy, cache):
         cache["dy"] = dy
@@ -66,7 +67,7 @@ class ColumnParallelLinear(Layer):
 
     def backward_weights(self, cache):
         dy = rows(cache["dy"])
-        x = rows(self.region.gather(cache["x"]))
+        x = rows(self.region.gather(self.precision.widen(cache["x"])))
         self.weight.grad.reshape(-1, dy.shape[1])[...] += self.matmul.weight_grad(x, dy)
         self.bias.grad.reshape(-1)[...] += column_sums(dy)
 
@@ -95,7 +96,7 @@ class RowParallelLinear(Layer):
         y = self.region.reduce(y)        # Megatron's "g" (all-reduce) or reduce-scatter
         if self.add_bias:
             y += self.bias.data          # once, after the sum
-        return y, {"x": x}
+        return self.precision.round(y), {"x": self.precision.keep(x)}
 
     def backward_input(self, dy, cache):
         cache["dy"] = dy                 # this rank's tokens (all of them unless sequence-parallel)
@@ -104,7 +105,8 @@ class RowParallelLinear(Layer):
         return self.matmul.input_grad(rows(full), self.weight.data).reshape(cache["x"].shape)
 
     def backward_weights(self, cache):
-        self.weight.grad += self.matmul.weight_grad(rows(cache["x"]), rows(cache["dy_full"]))
+        x = self.precision.widen(cache["x"])
+        self.weight.grad += self.matmul.weight_grad(rows(x), rows(cache["dy_full"]))
         # The bias met only this rank's tokens: under sequence parallelism a partial
         # sum, completed over tp in GPTStage.finalize_grads.
         self.bias.grad += column_sums(rows(cache["dy"]))

@@ -30,12 +30,13 @@ class ParallelMLP(Layer):
         h, fc_cache = self.fc.forward(x)          # (..., 4C / tp), without fc's bias
         # fc's bias goes in here; h is consumed, its buffer becoming gelu'(h + b_fc)
         a, slope = bias_gelu_forward(h, self.fc.bias.data)
+        a = self.precision.round(a)               # GELU's kernel writes the low format
         y, proj_cache = self.proj.forward(a)      # (..., C); proj keeps a for its weight gradient
-        return y, {"fc": fc_cache, "slope": slope, "proj": proj_cache}
+        return y, {"fc": fc_cache, "slope": self.precision.keep(slope), "proj": proj_cache}
 
     def start_backward_input(self, dy, cache):
         da = self.proj.backward_input(dy, cache["proj"])
-        dh = gelu_backward_(da, cache["slope"])
+        dh = gelu_backward_(da, self.precision.widen(cache["slope"]))
         return self.fc.start_backward_input(dh, cache["fc"])     # its sum may overlap our weight half
 
     def backward_weights(self, cache):

@@ -14,13 +14,11 @@ fp32, and the rerun forward sees the same float32 values as the first.
 """
 
 from numpitron.nn.layer import Layer
-from numpitron.precision import FORMATS
 
 
 class Recomputed(Layer):
     def __init__(self, inner: Layer):
         self.inner = inner
-        self.precision = FORMATS["fp32"]      # GPTStage hands down a mixed run's format
 
     def parameters(self):
         return self.inner.parameters()

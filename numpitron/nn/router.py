@@ -120,7 +120,9 @@ class TopKRouter(Layer):
         P = self.cp.all_reduce(probs.reshape(B, t, E).sum(axis=1)) / T       # (B, E)
         aux = self.aux_loss_coef * E * float(np.mean(np.sum(f * P, axis=1)))
         routing = Routing(chosen, gates, kept, aux, np.bincount(chosen.reshape(-1), minlength=E))
-        return routing, {"x": x, "probs": probs, "chosen": chosen, "f": f}
+        # x (a LayerNorm's output) in the low format; the routing probabilities in fp32,
+        # as routers compute them (Megatron's moe_router_dtype, DeepSeek-V3's gating).
+        return routing, {"x": self.precision.keep(x), "probs": probs, "chosen": chosen, "f": f}
 
     def _whole_sequences(self, chosen, T: int):
         """chosen: (B, T/cp, k), this rank's tokens -> every rank's, in position order
@@ -149,7 +151,7 @@ class TopKRouter(Layer):
         return (dlogits @ self.weight.data.T).reshape(cache["x"].shape)
 
     def backward_weights(self, cache):
-        x = self.region.sequence_part(cache["x"])                  # this tp rank's part (sp), or all
+        x = self.region.sequence_part(self.precision.widen(cache["x"]))    # this tp rank's part (sp), or all
         dlogits = self.region.sequence_part(cache["dlogits"].reshape(cache["x"].shape[:2] + (self.E,)))
         self.weight.grad += rows(x).T @ rows(dlogits)
 

@@ -227,17 +227,18 @@ def chunk_activation_bytes(model, parallel, train, rank: Rank, chunk: int = 0) -
     item, tp = model.itemsize, rank.tp
     B, T, C = train.micro_batch_size, model.seq_len // rank.cp, model.d_model
     tokens, split = B * T, (tp if parallel.sequence_parallel else 1)
-    # Under full recomputation a block keeps only its input, which a bf16 or fp16 run
-    # keeps in 2 bytes (nn/recompute.py); every other cache holds float32 values.
+    # A bf16 or fp16 run keeps activations in 2 bytes and statistics (1/std, the
+    # log-sum-exps, the loss's probabilities) in fp32 (nn/layer.py).
     fmt = FORMATS[getattr(train, "precision", "fp32")]
-    block_item = fmt.itemsize if fmt.mixed and parallel.recompute == "full" else item
+    low = fmt.itemsize if fmt.mixed else item
     total = (model.n_layers // rank.stages.stages) * block_activation_bytes(
-        B, T, C, model.n_heads, tp, parallel.sequence_parallel, parallel.recompute, block_item, rank.cp, rank.cp_rank)
+        B, T, C, model.n_heads, tp, parallel.sequence_parallel, parallel.recompute, low, rank.cp, rank.cp_rank,
+        stat_itemsize=item)
     if rank.holds_embeddings(chunk):    # token rows (int64), owned mask (bool), the positions (int64)
         total += 9 * tokens + 8 * T
     if rank.holds_head(chunk):          # ln_f (x-hat, 1/std), the head's input, the loss's probabilities
         n = tokens // split
-        total += item * (2 * n * C + n + tokens * pad_to_multiple(model.vocab_size, tp) // tp) + 9 * tokens
+        total += low * 2 * n * C + item * (n + tokens * pad_to_multiple(model.vocab_size, tp) // tp) + 9 * tokens
     return total
 
 
