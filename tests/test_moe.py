@@ -160,7 +160,7 @@ def test_bad_moe_settings_are_one_line(fields, message):
         ModelConfig(**fields).validate()
 
 
-def test_the_planner_says_it_does_not_model_experts():
+def test_the_planner_says_it_does_not_count_muons_expert_state():
     from numpitron.plan.__main__ import main
-    with pytest.raises(UserError, match="the planner does not model mixture-of-experts layers yet"):
-        main(["--num-experts", "4"])
+    with pytest.raises(UserError, match="does not count Muon's state of expert matrices"):
+        main(["--num-experts", "4", "--optimizer", "muon"])

@@ -9,17 +9,19 @@ from numpitron.plan.accounting import Rank, comm_bytes, comm_calls, peak_activat
 from tests.harness import assert_on_every_rank, make_trainer, tiny_model, tiny_tokens, tiny_train
 
 
-def measured_and_planned(n_layers=4, global_batch_size=8, dtype="float64", mixed=None, **layout):
-    """mixed: TrainConfig fields of a mixed-precision run (precision, grad_reduce_dtype)."""
-    trainer = make_trainer(tiny_model(dtype, n_layers=n_layers),
+def measured_and_planned(n_layers=4, global_batch_size=8, dtype="float64", mixed=None, moe=None, **layout):
+    """mixed: TrainConfig fields of a mixed-precision run (precision, grad_reduce_dtype);
+    moe: ModelConfig fields of a mixture-of-experts model."""
+    trainer = make_trainer(tiny_model(dtype, n_layers=n_layers, **(moe or {})),
                            tiny_train(global_batch_size=global_batch_size, **(mixed or {})), **layout)
     topo, model_cfg = trainer.topo, trainer.model_cfg
     topo.stats.reset()
     trainer.train_step(tiny_tokens())
     rank = Rank.of(topo, trainer.parallel_cfg)
     assert rank.placement == trainer.model.placement        # the planner places the stages as the model does
+    measured_memory = [memory_bytes(optimizer) for optimizer in trainer.optimizers]     # experts: a second store
     return {
-        "memory": (memory_bytes(trainer.optimizer), state_bytes(model_cfg, trainer.parallel_cfg, rank,
+        "memory": ({k: sum(memory[k] for memory in measured_memory) for k in measured_memory[0]}, state_bytes(model_cfg, trainer.parallel_cfg, rank,
                                                                 trainer.train_cfg.optimizer, trainer.train_cfg.precision)),
         "comm": ({k: v["bytes"] for k, v in topo.stats.snapshot().items()},
                  comm_bytes(model_cfg, trainer.parallel_cfg, trainer.train_cfg, rank)),
@@ -380,3 +382,36 @@ def test_a_slow_link_exposes_what_it_cannot_carry_during_the_backward():
     link = stage["comm_bytes"]["dp_cp.all_reduce"] / 1e6
     compute = sum(stage["time_s"][k] for k in ("matmul", "elementwise", "exp", "calls"))
     assert stage["time_s"]["exposed_comm"] == pytest.approx(result["pace"] * link - 2 / 3 * compute)
+
+
+# Experts (docs/14-experts.md): a capacity every expert fills (c = 0.25: 2 of a sequence's
+# 8 choices an expert draws on average) fixes the rows the all-to-alls carry, so the planned
+# bytes are the counted ones whatever the routing; dropless, the plan is the balanced ideal.
+CAPPED = dict(num_experts=4, moe_top_k=2, moe_capacity_factor=0.25)
+DEEPSEEK = dict(CAPPED, moe_shared_experts=1, moe_expert_hidden=64, moe_every=2, moe_load_balancing="bias")
+MOE_LAYOUTS_2 = [(CAPPED, dict(data=2, expert=2, zero_stage=1)), (DEEPSEEK, dict(data=2, expert=2, zero_stage=3)),
+                 (CAPPED, dict(data=2, expert=2, recompute="full", zero_stage=2)), (CAPPED, dict(data=2)),
+                 (DEEPSEEK, dict(tensor=2, sequence_parallel=True, recompute="full")), (CAPPED, dict(tensor=2)),
+                 (DEEPSEEK, dict(pipeline=2))]
+
+
+def moe_checks(moe, **layout) -> dict:
+    """The memory and the bytes; a MoE block's activations are planned as a dense block's."""
+    checks = measured_and_planned(moe=moe, **layout)
+    return {key: checks[key] for key in ("memory", "comm")}
+
+
+def test_planned_memory_and_bytes_of_experts_equal_one_process_counts():
+    for moe in (CAPPED, DEEPSEEK):
+        checks = moe_checks(moe)
+        assert all(measured == planned for measured, planned in checks.values()), checks
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_planned_memory_and_bytes_of_experts_equal_two_ranks_counts():
+    """dp x ep with ZeRO-1, 2 and 3 (the experts at stage 2), dp with the experts replicated,
+    tp (with sp and shared experts), pp; and dropless, the balanced plan near the count."""
+    assert_on_every_rank({f"{i} {name(layout)} {key}": value
+                          for i, (moe, layout) in enumerate(MOE_LAYOUTS_2) for key, value in moe_checks(moe, **layout).items()})
+    measured, planned = moe_checks(dict(CAPPED, moe_capacity_factor=0), data=2, expert=2)["comm"]
+    assert planned["ep.all_to_allv"] == pytest.approx(measured["ep.all_to_allv"], rel=0.1)

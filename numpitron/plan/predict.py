@@ -47,6 +47,7 @@ from numpitron.distributed.sharding import pad_to_multiple
 from numpitron.parallel.schedules import ideal_bubble, placement_of
 from numpitron.plan.accounting import (Rank, comm_bytes, comm_calls, gradient_buckets, parameter_elements,
                                        peak_activation_bytes, state_bytes)
+from numpitron.plan.experts import moe_block_work, moe_flops_delta
 from numpitron.plan.flops import hardware_flops, model_flops
 from numpitron.precision import FORMATS
 from numpitron.plan.kernels import Work, block_work, embedding_work, head_work, optimizer_work
@@ -54,8 +55,9 @@ from numpitron.plan.kernels import Work, block_work, embedding_work, head_work, 
 
 def plan(model, parallel, train, mesh, device) -> dict:
     """Memory, bytes, FLOPs and time of one iteration, per stage (the first rank of each).
-    mesh: (tp, pp, dp, cp), and HSDP's S (default dp)."""
+    mesh: (tp, pp, dp, cp), and HSDP's S (default dp), and ep (default 1)."""
     tp, pp, dp, cp, S = mesh_sizes(mesh)
+    ep = mesh[5] if len(mesh) > 5 else 1
     m = train.num_microbatches(dp)
     global_batch = train.global_batch(dp)
     devices = tp * pp * dp * cp
@@ -72,7 +74,7 @@ def plan(model, parallel, train, mesh, device) -> dict:
     stages = []
     placement = placement_of(parallel.schedule, pp, parallel.virtual_stages)
     for stage in range(pp):
-        rank = Rank(tp, pp, dp, cp, stage, cp_rank=cp - 1, dp_shard=S, placement=placement)   # the ring's busiest rank
+        rank = Rank(tp, pp, dp, cp, stage, cp_rank=cp - 1, dp_shard=S, placement=placement, ep=ep)  # the ring's busiest
         state = state_bytes(model, parallel, rank, train.optimizer, train.precision)
         if on_paper:                                              # mixed precision on paper
             params = state["params"] // model.itemsize
@@ -116,22 +118,28 @@ def plan(model, parallel, train, mesh, device) -> dict:
                                   "exposed_comm": stretch * (m * exposed_per_mb + exposed_dp),
                                   "optimizer": stretch * t_adam, "bubble": idle, "step": step}})
     step = max(s["time_s"]["step"] for s in stages)
-    flops = model_flops(*args)
-    return {"mesh": {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "dp_shard": S, "devices": devices}, "microbatches": m,
-            "groups_across_hosts": groups_across_hosts(mesh, device),
-            "model_flops_per_iteration": flops, "hardware_flops_per_iteration": hardware_flops(*args, parallel.recompute),
+    tokens = global_batch * model.seq_len
+    flops = model_flops(*args) + moe_flops_delta(model, tokens)
+    executed = hardware_flops(*args, parallel.recompute) + moe_flops_delta(model, tokens, 1 + (parallel.recompute == "full"))
+    return {"mesh": {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "dp_shard": S, "ep": ep, "devices": devices},
+            "microbatches": m, "groups_across_hosts": groups_across_hosts(mesh, device),
+            "model_flops_per_iteration": flops, "hardware_flops_per_iteration": executed,
             "bubble": bubble, "time_sharing": share, "pace": stretch / share, "step_s": step, "tokens_per_s": global_batch * model.seq_len / step,
             "mfu": flops / (step * device.peak_flops * devices), "stages": stages,
             "fits": all(s["total_peak"] <= device.memory_bytes for s in stages)}
 
 
 def microbatch_work(model, parallel, train, rank: Rank) -> Work:
-    """What one micro-batch costs this rank: its blocks, and the embedding or the head
-    when its stage has them (all its virtual chunks together)."""
+    """What one micro-batch costs this rank: its blocks (an MoE block's experts over its
+    kept rows under balanced routing), and the embedding or the head when its stage has
+    them (all its virtual chunks together)."""
     B, T, C = train.micro_batch_size, model.seq_len // rank.cp, model.d_model
     vocab = pad_to_multiple(model.vocab_size, rank.tp) // rank.tp
+    blocks = rank.blocks(model.n_layers)
     work = block_work(B, T, C, model.n_heads, rank.tp, rank.cp, parallel.sequence_parallel,
-                      parallel.recompute).scaled(model.n_layers // rank.pp)
+                      parallel.recompute).scaled(len(blocks))
+    if model.num_experts:           # an MoE block's experts and router in place of its dense MLP
+        work += moe_block_work(model, B, rank.cp, rank.tp, parallel.recompute).scaled(sum(map(model.is_moe_block, blocks)))
     if rank.first:
         work += embedding_work(B, T, C, vocab)
     if rank.last:
