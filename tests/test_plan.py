@@ -6,7 +6,7 @@ import pytest
 
 from numpitron.optim.memory_report import memory_bytes
 from numpitron.plan.accounting import Rank, comm_bytes, comm_calls, peak_activation_bytes, state_bytes
-from tests.harness import assert_on_every_rank, make_trainer, tiny_model, tiny_tokens, tiny_train
+from tests.harness import TINY, assert_on_every_rank, make_trainer, tiny_model, tiny_tokens, tiny_train
 
 
 def measured_and_planned(n_layers=4, global_batch_size=8, dtype="float64", mixed=None, moe=None, **layout):
@@ -415,3 +415,20 @@ def test_planned_memory_and_bytes_of_experts_equal_two_ranks_counts():
                           for i, (moe, layout) in enumerate(MOE_LAYOUTS_2) for key, value in moe_checks(moe, **layout).items()})
     measured, planned = moe_checks(dict(CAPPED, moe_capacity_factor=0), data=2, expert=2)["comm"]
     assert planned["ep.all_to_allv"] == pytest.approx(measured["ep.all_to_allv"], rel=0.1)
+
+
+def test_experts_flops_are_a_tokens_active_matmuls_and_the_step_time_follows():
+    """Per token an MoE block runs the router (C x E) and k experts (two C x 4C matrices
+    each) where a dense block runs its MLP: with k = 1 only the router is added, each
+    further choice adds one expert's matmuls, 6 FLOPs a weight (forward and backward)."""
+    from numpitron.config import ParallelConfig
+    from numpitron.plan.devices import load_device
+    from numpitron.plan.predict import plan
+    parallel, train, device = ParallelConfig().validate(), tiny_train(), load_device("this-machine")
+    plans = {k: plan(tiny_model(**({"num_experts": 4, "moe_top_k": k} if k else {})), parallel, train, (1, 1, 1, 1),
+                     device) for k in (0, 1, 2)}
+    C, L, tokens = TINY["d_model"], TINY["n_layers"], train.global_batch_size * TINY["seq_len"]
+    flops = {k: p["model_flops_per_iteration"] for k, p in plans.items()}
+    assert flops[1] - flops[0] == pytest.approx(6 * tokens * L * C * 4)
+    assert flops[2] - flops[1] == pytest.approx(6 * tokens * L * 2 * C * 4 * C)
+    assert 0 < plans[0]["step_s"] < plans[2]["step_s"] and plans[1]["step_s"] < plans[2]["step_s"]
