@@ -111,7 +111,8 @@ def report(result: dict) -> str:
     mesh = result["mesh"]
     hybrid = f" (ZeRO over {mesh['dp_shard']} of them)" if mesh["dp_shard"] < mesh["dp"] else ""
     lines = ["model: " + size_line(result["parameters"]),
-             f"mesh tp={mesh['tp']} pp={mesh['pp']} dp={mesh['dp']}{hybrid} cp={mesh['cp']} ({mesh['devices']} devices), "
+             f"mesh tp={mesh['tp']} pp={mesh['pp']} dp={mesh['dp']}{hybrid} cp={mesh['cp']}"
+             + (f" ep={mesh['ep']}" if mesh["ep"] > 1 else "") + f" ({mesh['devices']} devices), "
              f"{result['microbatches']} micro-batches, bubble {result['bubble']:.1%}",
              f"model FLOPs per iteration {result['model_flops_per_iteration']:.3e} "
              f"(executed {result['hardware_flops_per_iteration']:.3e})",
@@ -119,6 +120,9 @@ def report(result: dict) -> str:
              f"MFU {result['mfu']:.1%}, fits: {result['fits']}"
              + (f" ({result['time_sharing']:g} ranks per core)" if result["time_sharing"] > 1 else "")
              + (f", at the slowest rank's pace x{result['pace']:.2f}" if result["pace"] != 1 else "")]
+    if result["parameters"]["active_per_token"] != result["parameters"]["total"]:
+        lines.append("experts: rows per expert planned for balanced routing (exact when a capacity is "
+                     "filled by every expert; dropless, the real rows follow the router)")
     for s in result["stages"]:
         t = s["time_s"]
         lines.append(f"  stage {s['stage']}: params {s['params'] / 2**20:.1f} MiB, grads {s['grads'] / 2**20:.1f} MiB, "
