@@ -1,7 +1,7 @@
 """Bytes a rank stores and moves in one training iteration, computed from the configs
 and the mesh alone: one function per quantity, each term named after the strategy
 that adds it. Tests compare every figure with what a real run counts (`ParamStore`,
-the optimizer, `CommStats`, `PipelineStats.peak_activation_bytes`), to the byte.
+the optimizer, `CommStats`), to the byte; the activations are plan/activations.py's.
 
 A rank is described by its stage (pp_rank), the placement of the virtual stages on
 the pipeline's ranks (the model's own `StagePlacement`: a loop, or a V whose rank 0
@@ -16,7 +16,6 @@ from functools import cache
 from numpitron.distributed.sharding import pad_to_multiple, pieces_of_range
 from numpitron.distributed.stages import StagePlacement
 from numpitron.distributed.topology import Topology
-from numpitron.nn.activation_memory import block_activation_bytes
 from numpitron.nn.block import Block
 from numpitron.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from numpitron.nn.head import LanguageModelHead
@@ -24,7 +23,7 @@ from numpitron.optim.muon import is_hidden_matrix
 from numpitron.plan.collective_bytes import all_reduce_bytes as _all_reduce, half_bytes as _half
 from numpitron.plan.experts import expert_elements, expert_gradient_traffic, moe_layer_sizes, moe_traffic
 from numpitron.precision import FORMATS
-from numpitron.parallel.schedules import BACKWARD, FORWARD, WEIGHT_GRAD, make_schedule, placement_of
+from numpitron.parallel.schedules import placement_of
 
 F64 = 8          # the loss and the squared gradient norm travel as one float64
 
@@ -237,34 +236,6 @@ def _buffer_state(size: int, group: int, group_rank: int, stage: int, hierarchic
             "optimizer_state": moments(group_rank * shard, (group_rank + 1) * shard) * state_item,
             "gathered_params_peak": peak * item,
             "backward_grads_peak": {1: 0, 2: padded, 3: peak}[stage] * item}
-
-
-def chunk_activation_bytes(model, parallel, train, rank: Rank, chunk: int = 0) -> int:
-    """What one micro-batch's caches keep in one chunk of this stage (docs/09 and docs/13
-    derive it): its n_layers / (p v) blocks, the embeddings in virtual stage 0, the head
-    in the last."""
-    item, tp = model.itemsize, rank.tp
-    B, T, C = train.micro_batch_size, model.seq_len // rank.cp, model.d_model
-    tokens, split = B * T, (tp if parallel.sequence_parallel else 1)
-    total = (model.n_layers // rank.stages.stages) * block_activation_bytes(
-        B, T, C, model.n_heads, tp, parallel.sequence_parallel, parallel.recompute, item, rank.cp, rank.cp_rank)
-    if rank.holds_embeddings(chunk):    # token rows (int64), owned mask (bool), the positions (int64)
-        total += 9 * tokens + 8 * T
-    if rank.holds_head(chunk):          # ln_f (x-hat, 1/std), the head's input, the loss's probabilities
-        n = tokens // split
-        total += item * (2 * n * C + n + tokens * pad_to_multiple(model.vocab_size, tp) // tp) + 9 * tokens
-    return total
-
-
-def peak_activation_bytes(model, parallel, train, rank: Rank) -> int:
-    """Walk this stage's schedule: a chunk's caches live from its forward to its whole
-    backward (BW) or its weight half (W); the peak of their sum."""
-    m, alive, peak = train.num_microbatches(rank.dp), 0, 0
-    for op in make_schedule(parallel.schedule, m, rank.pp, rank.stage, parallel.virtual_stages):
-        nbytes = chunk_activation_bytes(model, parallel, train, rank, op.chunk)
-        alive += nbytes if op.action == FORWARD else -nbytes if op.action in (BACKWARD, WEIGHT_GRAD) else 0
-        peak = max(peak, alive)
-    return peak
 
 
 def comm_bytes(model, parallel, train, rank: Rank) -> dict:

@@ -46,7 +46,8 @@ Each choice is an estimate, stated so that its error can be read off.
 from numpitron.distributed.sharding import pad_to_multiple
 from numpitron.parallel.schedules import ideal_bubble, placement_of
 from numpitron.plan.accounting import (Rank, comm_bytes, comm_calls, gradient_buckets, parameter_elements,
-                                       peak_activation_bytes, state_bytes)
+                                       state_bytes)
+from numpitron.plan.activations import peak_activation_bytes
 from numpitron.plan.experts import moe_block_work, moe_flops_delta
 from numpitron.plan.flops import hardware_flops, model_flops
 from numpitron.precision import FORMATS
