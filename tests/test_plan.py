@@ -20,9 +20,9 @@ def measured_and_planned(n_layers=4, global_batch_size=8, dtype="float64", mixed
     trainer.train_step(tiny_tokens())
     rank = Rank.of(topo, trainer.parallel_cfg)
     assert rank.placement == trainer.model.placement        # the planner places the stages as the model does
-    measured_memory = [memory_bytes(optimizer) for optimizer in trainer.optimizers]     # experts: a second store
+    stores = [memory_bytes(optimizer) for optimizer in trainer.optimizers]     # experts: a second store
     return {
-        "memory": ({k: sum(memory[k] for memory in measured_memory) for k in measured_memory[0]}, state_bytes(model_cfg, trainer.parallel_cfg, rank,
+        "memory": ({k: sum(store[k] for store in stores) for k in stores[0]}, state_bytes(model_cfg, trainer.parallel_cfg, rank,
                                                                 trainer.train_cfg.optimizer, trainer.train_cfg.precision)),
         "comm": ({k: v["bytes"] for k, v in topo.stats.snapshot().items()},
                  comm_bytes(model_cfg, trainer.parallel_cfg, trainer.train_cfg, rank)),
@@ -393,31 +393,27 @@ DEEPSEEK = dict(CAPPED, moe_shared_experts=1, moe_expert_hidden=64, moe_every=2,
 MOE_LAYOUTS_2 = [(CAPPED, dict(data=2, expert=2, zero_stage=1)), (DEEPSEEK, dict(data=2, expert=2, zero_stage=3)),
                  (CAPPED, dict(data=2, expert=2, recompute="full", zero_stage=2)), (CAPPED, dict(data=2)),
                  (DEEPSEEK, dict(tensor=2, sequence_parallel=True, recompute="full")), (CAPPED, dict(tensor=2)),
-                 (DEEPSEEK, dict(pipeline=2))]
+                 (DEEPSEEK, dict(pipeline=2)), (DEEPSEEK, dict(tensor=2, sequence_parallel=True)),
+                 (CAPPED, dict(tensor=2, sequence_parallel=True, recompute="selective"))]
 
 
-def moe_checks(moe, **layout) -> dict:
-    """The memory and the bytes; a MoE block's activations are planned as a dense block's."""
-    checks = measured_and_planned(moe=moe, **layout)
-    return {key: checks[key] for key in ("memory", "comm")}
-
-
-def test_planned_memory_and_bytes_of_experts_equal_one_process_counts():
-    for moe in (CAPPED, DEEPSEEK):
-        checks = moe_checks(moe)
+def test_planned_memory_bytes_and_activations_of_experts_equal_one_process_counts():
+    for moe, layout in [(CAPPED, {}), (DEEPSEEK, {}), (CAPPED, dict(recompute="selective"))]:
+        checks = measured_and_planned(moe=moe, **layout)
         assert all(measured == planned for measured, planned in checks.values()), checks
 
 
 @pytest.mark.parallel(nprocs=2)
-def test_planned_memory_and_bytes_of_experts_equal_two_ranks_counts():
+def test_planned_memory_bytes_and_activations_of_experts_equal_two_ranks_counts():
     """dp x ep with ZeRO-1, 2 and 3 (the experts at stage 2), dp with the experts replicated,
-    tp (with sp and shared experts), pp; dropless and cp x ep, the balanced plan near the count."""
+    tp (with sp, selective or full recomputation, shared experts), pp; dropless and cp x ep,
+    the balanced plan near the count."""
     assert_on_every_rank({f"{i} {name(layout)} {key}": value
-                          for i, (moe, layout) in enumerate(MOE_LAYOUTS_2) for key, value in moe_checks(moe, **layout).items()})
+                          for i, (moe, layout) in enumerate(MOE_LAYOUTS_2) for key, value in measured_and_planned(moe=moe, **layout).items()})
     # Dropless, or under cp (which splits a sequence's kept choices as the routing falls),
     # the all-to-all rows follow the router: the balanced plan is near the count, the rest exact.
     for moe, layout in [(dict(CAPPED, moe_capacity_factor=0), dict(data=2, expert=2)), (CAPPED, dict(context=2, expert=2))]:
-        checks = moe_checks(moe, **layout)
+        checks = measured_and_planned(moe=moe, **layout)
         (measured, planned), memory = checks["comm"], checks["memory"]
         assert planned["ep.all_to_allv"] == pytest.approx(measured["ep.all_to_allv"], rel=0.1)
         assert memory[0] == memory[1] and {k: v for k, v in measured.items() if k != "ep.all_to_allv"} == \

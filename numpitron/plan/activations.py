@@ -7,6 +7,7 @@ from numpitron.distributed.sharding import pad_to_multiple
 from numpitron.nn.activation_memory import block_activation_bytes
 from numpitron.parallel.schedules import BACKWARD, FORWARD, WEIGHT_GRAD, make_schedule
 from numpitron.plan.accounting import Rank
+from numpitron.plan.experts import moe_activation_delta
 
 
 def chunk_activation_bytes(model, parallel, train, rank: Rank, chunk: int = 0) -> int:
@@ -18,6 +19,10 @@ def chunk_activation_bytes(model, parallel, train, rank: Rank, chunk: int = 0) -
     tokens, split = B * T, (tp if parallel.sequence_parallel else 1)
     total = (model.n_layers // rank.stages.stages) * block_activation_bytes(
         B, T, C, model.n_heads, tp, parallel.sequence_parallel, parallel.recompute, item, rank.cp, rank.cp_rank)
+    if model.num_experts:               # its MoE blocks keep more (plan/experts.py)
+        j, L = rank.stages.stage(rank.stage, chunk), model.n_layers
+        total += sum(map(model.is_moe_block, range(j * L // rank.stages.stages, (j + 1) * L // rank.stages.stages))) \
+            * moe_activation_delta(model, B, T, tp, rank.ep, parallel.sequence_parallel, parallel.recompute)
     if rank.holds_embeddings(chunk):    # token rows (int64), owned mask (bool), the positions (int64)
         total += 9 * tokens + 8 * T
     if rank.holds_head(chunk):          # ln_f (x-hat, 1/std), the head's input, the loss's probabilities

@@ -161,3 +161,26 @@ def moe_block_work(model, batch: int, cp: int, tp: int, recompute: str):
     work += router
     work += mlp_work(rows, C, 4 * C // tp, recompute).scaled(-1)
     return work
+
+
+def moe_activation_delta(model, batch: int, T: int, tp: int, ep: int, sequence_parallel: bool, recompute: str) -> int:
+    """What one MoE block's caches keep per micro-batch beyond a dense block's (T: this
+    rank's tokens of a sequence), with K its kept rows (balanced routing). Kept: the
+    router's input x (n C) and probabilities (n E), its argsort of the E scores (int64;
+    `chosen` is a view of it), the gates (n k), the kept mask (n k, bool), the loads (E,
+    int64) and f (B E); the experts' input and two hidden arrays (K C + 2 K h/tp), the
+    rows' order (K, int64), the counts (2 ep + E/ep, int64), each kept choice's token and
+    slot (2 K, int64) and output (K C); the shared experts' two hidden arrays (2 n N h/tp),
+    and under sp their own input (this rank's n/tp rows; x is the gathered copy).
+    Less the dense MLP's input and two hidden arrays, n C + 2 n 4C/tp. Full recomputation
+    keeps only the block's input, as for a dense block."""
+    if recompute == "full":
+        return 0
+    item, C, E, k, h = model.itemsize, model.d_model, model.num_experts, model.moe_top_k, model.expert_hidden
+    n, K = batch * T, kept_rows(model, batch, model.seq_len // T)
+    floats = n * C + n * E + n * k + batch * E + K * C + 2 * K * h // tp + K * C \
+        + 2 * n * model.moe_shared_experts * h // tp \
+        + (n // tp * C if sequence_parallel and model.moe_shared_experts else 0)
+    ints = 8 * (n * E + E + K + 2 * ep + E // ep + 2 * K) + n * k
+    dense_mlp = (n // tp if sequence_parallel else n) * C + 2 * n * 4 * C // tp
+    return item * (floats - dense_mlp) + ints
