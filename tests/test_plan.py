@@ -336,16 +336,21 @@ def test_the_link_fit_recovers_alpha_and_beta_from_noisy_all_reduces():
 @pytest.mark.parallel(nprocs=2)
 def test_planned_calls_equal_the_calls_a_run_makes():
     """The calls the alpha term multiplies, against CommStats' count of one step:
-    tensor, pipeline, context and data parallelism (several buckets)."""
+    tensor, pipeline, context and data parallelism (several buckets), and with experts
+    (their all-to-alls, the expert buffer's buckets, the router's collectives)."""
     checks = {}
-    for layout in [dict(tensor=2), dict(pipeline=2), dict(context=2), dict(data=2, bucket_size=3000),
-                   dict(data=2, zero_stage=2, bucket_size=3000)]:
-        trainer = make_trainer(tiny_model(), tiny_train(), **layout)
+    for moe, layout in [({}, dict(tensor=2)), ({}, dict(pipeline=2)), ({}, dict(context=2)),
+                        ({}, dict(data=2, bucket_size=3000)), ({}, dict(data=2, zero_stage=2, bucket_size=3000)),
+                        (CAPPED, dict(data=2, expert=2, bucket_size=3000)),
+                        (CAPPED, dict(data=2, zero_stage=2, bucket_size=3000)),
+                        (DEEPSEEK, dict(tensor=2, sequence_parallel=True)),
+                        (CAPPED, dict(context=2, expert=2, recompute="full")), (DEEPSEEK, dict(pipeline=2))]:
+        trainer = make_trainer(tiny_model(**moe), tiny_train(), **layout)
         trainer.topo.stats.reset()
         trainer.train_step(tiny_tokens())
         planned = comm_calls(trainer.model_cfg, trainer.parallel_cfg, trainer.train_cfg,
                              Rank.of(trainer.topo, trainer.parallel_cfg))
-        checks[name(layout)] = ({k: v["calls"] for k, v in trainer.topo.stats.snapshot().items()}, planned)
+        checks[f"{name(layout)} {sorted(moe.items())}"] = ({k: v["calls"] for k, v in trainer.topo.stats.snapshot().items()}, planned)
     assert_on_every_rank(checks)
 
 
@@ -394,7 +399,8 @@ MOE_LAYOUTS_2 = [(CAPPED, dict(data=2, expert=2, zero_stage=1)), (DEEPSEEK, dict
                  (CAPPED, dict(data=2, expert=2, recompute="full", zero_stage=2)), (CAPPED, dict(data=2)),
                  (DEEPSEEK, dict(tensor=2, sequence_parallel=True, recompute="full")), (CAPPED, dict(tensor=2)),
                  (DEEPSEEK, dict(pipeline=2)), (DEEPSEEK, dict(tensor=2, sequence_parallel=True)),
-                 (CAPPED, dict(tensor=2, sequence_parallel=True, recompute="selective"))]
+                 (CAPPED, dict(tensor=2, sequence_parallel=True, recompute="selective")),
+                 (CAPPED, dict(data=2, data_shard=1, zero_stage=2)), (CAPPED, dict(data=2, hierarchical_all_reduce=True))]
 
 
 def test_planned_memory_bytes_and_activations_of_experts_equal_one_process_counts():

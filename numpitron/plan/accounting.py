@@ -333,7 +333,7 @@ def comm_traffic(model, parallel, train, rank: Rank) -> dict:
     if model.num_experts:
         moe_traffic(model, parallel, train, rank, add)
         expert_padding = 0
-        if parallel.zero_stage:
+        if sharded:
             expert_padding = -expert_elements(model, rank.blocks(model.n_layers), tp, rank.ep) % rank.expert_dp
         expert_gradient_traffic(model, parallel, rank, add, (param_item, grad_item),
                                 gradient_buckets(model, rank, parallel.bucket_size, expert_padding, experts=True))

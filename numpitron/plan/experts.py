@@ -118,21 +118,24 @@ def moe_traffic(model, parallel, train, rank, add) -> None:
 
 def expert_gradient_traffic(model, parallel, rank, add, items, buckets) -> None:
     """add() the expert buffer's gradient reduction over expert_dp (docs/14-experts.md):
-    an all-reduce under ZeRO-0; from ZeRO-1 on (stage 2 at most) a reduce-scatter of the
-    padded buffer and the all-gather of the updated parameters; then the gradient
+    an all-reduce under ZeRO-0 (its two halves with --hierarchical-all-reduce); from
+    ZeRO-1 on (stage 2 at most) a reduce-scatter of the padded buffer and the all-gather
+    of the updated parameters; then the gradient
     norm's one float64, over the ranks holding one copy of every expert (tp x pp x ep)
     or, sharded, over the world."""
     param_item, grad_item = items
     group = rank.expert_dp
     elements = expert_elements(model, rank.blocks(model.n_layers), rank.tp, rank.ep)
-    if parallel.zero_stage == 0:
-        add("expert_dp.all_reduce", all_reduce_bytes(elements * grad_item, group), buckets)
-        add("expert_model.all_reduce", all_reduce_bytes(8, rank.tp * rank.pp * rank.ep))
-        return
     padded = pad_to_multiple(elements, group)
-    add("expert_dp.reduce_scatter", half_bytes(padded * grad_item, group), buckets if parallel.zero_stage >= 2 else 1)
-    add("expert_dp.all_gather", half_bytes(padded * param_item, group))
-    add("world.all_reduce", all_reduce_bytes(8, rank.tp * rank.pp * rank.dp * rank.cp))
+    if parallel.zero_stage == 0 and not parallel.hierarchical_all_reduce:
+        add("expert_dp.all_reduce", all_reduce_bytes(elements * grad_item, group), buckets)
+    else:             # the two halves of one all-reduce (--hierarchical-all-reduce's too)
+        add("expert_dp.reduce_scatter", half_bytes(padded * grad_item, group), buckets if parallel.zero_stage >= 2 else 1)
+        add("expert_dp.all_gather", half_bytes(padded * (param_item if parallel.zero_stage else grad_item), group))
+    if parallel.zero_stage == 0:
+        add("expert_model.all_reduce", all_reduce_bytes(8, rank.tp * rank.pp * rank.ep))
+    else:
+        add("world.all_reduce", all_reduce_bytes(8, rank.tp * rank.pp * rank.dp * rank.cp))
 
 
 def moe_flops_delta(model, tokens: int, forwards: int = 1) -> float:
