@@ -158,9 +158,3 @@ def test_layouts_that_cannot_work_are_one_line(model, mesh, parallel, message):
 def test_bad_moe_settings_are_one_line(fields, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ModelConfig(**fields).validate()
-
-
-def test_the_planner_says_it_does_not_count_muons_expert_state():
-    from numpitron.plan.__main__ import main
-    with pytest.raises(UserError, match="does not count Muon's state of expert matrices"):
-        main(["--num-experts", "4", "--optimizer", "muon"])

@@ -407,6 +407,9 @@ def test_planned_memory_bytes_and_activations_of_experts_equal_one_process_count
     for moe, layout in [(CAPPED, {}), (DEEPSEEK, {}), (CAPPED, dict(recompute="selective"))]:
         checks = measured_and_planned(moe=moe, **layout)
         assert all(measured == planned for measured, planned in checks.values()), checks
+    for moe in (CAPPED, DEEPSEEK):      # Muon: one moment on the matrices, the experts' and the router's too
+        measured, planned = measured_and_planned(moe=moe, mixed=dict(optimizer="muon"))["memory"]
+        assert measured == planned
 
 
 @pytest.mark.parallel(nprocs=2)
@@ -416,6 +419,8 @@ def test_planned_memory_bytes_and_activations_of_experts_equal_two_ranks_counts(
     the balanced plan near the count."""
     assert_on_every_rank({f"{i} {name(layout)} {key}": value
                           for i, (moe, layout) in enumerate(MOE_LAYOUTS_2) for key, value in measured_and_planned(moe=moe, **layout).items()})
+    assert_on_every_rank({f"muon {name(layout)}": measured_and_planned(moe=moe, mixed=dict(optimizer="muon"), **layout)["memory"]
+                          for moe, layout in [(CAPPED, dict(data=2, expert=2, zero_stage=1)), (DEEPSEEK, dict(data=2, zero_stage=2))]})
     # Dropless, or under cp (which splits a sequence's kept choices as the routing falls),
     # the all-to-all rows follow the router: the balanced plan is near the count, the rest exact.
     for moe, layout in [(dict(CAPPED, moe_capacity_factor=0), dict(data=2, expert=2)), (CAPPED, dict(context=2, expert=2))]:

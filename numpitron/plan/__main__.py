@@ -144,8 +144,6 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     model, parallel, train = configs_from_args(args)
     model = replace(model, vocab_size=args.vocab_size).validate()
-    if model.num_experts and train.optimizer == "muon":
-        raise UserError("the planner does not count Muon's state of expert matrices yet: plan with --optimizer adamw")
     if args.devices is not None and args.devices < 1:
         raise UserError(f"--devices must be positive, got {args.devices}")
     device = load_device(args.device)

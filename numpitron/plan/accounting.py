@@ -21,7 +21,8 @@ from numpitron.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from numpitron.nn.head import LanguageModelHead
 from numpitron.optim.muon import is_hidden_matrix
 from numpitron.plan.collective_bytes import all_reduce_bytes as _all_reduce, half_bytes as _half
-from numpitron.plan.experts import expert_elements, expert_gradient_traffic, moe_layer_sizes, moe_traffic
+from numpitron.plan.experts import (expert_elements, expert_gradient_traffic, moe_layer_params, moe_layer_sizes,
+                                    moe_traffic)
 from numpitron.precision import FORMATS
 from numpitron.parallel.schedules import placement_of
 
@@ -152,36 +153,44 @@ def block_elements(model, rank: Rank) -> list[int]:
 
 
 @cache
-def block_matrix_spans(model, tp: int) -> tuple[int, tuple]:
-    """A block's elements on one tp rank, and the [start, stop) within it of each matrix
-    Muon updates (optim/muon.py: `is_hidden_matrix`), in the order of the flat buffer."""
-    block, spans, offset = Block("blocks.0", model.d_model, model.n_heads, model.n_layers, Topology(None, tp, 1, 1)), [], 0
-    for p in block.parameters():
-        n = math.prod(p.local_shape)
-        if is_hidden_matrix(p):
-            spans.append((offset, offset + n))
-        offset += n
-    return offset, tuple(spans)
+def matrix_spans(model, tp: int) -> dict:
+    """{piece: (its elements on one tp rank, the [start, stop) within it of each matrix
+    Muon updates (optim/muon.py: `is_hidden_matrix`), in the order of the flat buffer)}
+    for a block and, with experts, an MoE block's dense part and one expert."""
+    pieces = {"block": Block("blocks.0", model.d_model, model.n_heads, model.n_layers, Topology(None, tp, 1, 1)).parameters(),
+              **(moe_layer_params(model, tp) if model.num_experts else {})}
+    out = {}
+    for piece, params in pieces.items():
+        spans, offset = [], 0
+        for p in params:
+            n = math.prod(p.local_shape)
+            if is_hidden_matrix(p):
+                spans.append((offset, offset + n))
+            offset += n
+        out[piece] = (offset, tuple(spans))
+    return out
 
 
-def muon_elements(model, rank: Rank, lo: int, hi: int) -> int:
+def muon_elements(model, rank: Rank, lo: int, hi: int, experts: bool = False) -> int:
     """Elements of Muon's matrices inside [lo, hi) of this rank's stage: the stage's
     flat buffer is the token embedding (first and last stage), the positions (first),
-    then the blocks, then ln_f (last)."""
-    layers = layer_elements(model, rank.tp)
-    start = layers["token"][0] * (rank.first or rank.last) + layers["position"][0] * rank.first
-    block, spans = block_matrix_spans(model, rank.tp)
+    then the blocks, then ln_f (last); the expert buffer, E/ep experts of each MoE block."""
+    layers, spans = layer_elements(model, rank.tp), matrix_spans(model, rank.tp)
+    blocks = rank.blocks(model.n_layers)
+    start = 0 if experts else layers["token"][0] * (rank.first or rank.last) + layers["position"][0] * rank.first
+    pieces = ["expert"] * (sum(map(model.is_moe_block, blocks)) * model.num_experts // rank.ep) if experts \
+        else [block_piece(model, b) for b in blocks]
     inside = 0
-    for k in range(model.n_layers // rank.pp):
-        for a, b in spans:
-            a, b = start + k * block + a, start + k * block + b
-            inside += max(0, min(b, hi) - max(a, lo))
+    for piece in pieces:
+        size, matrices = spans[piece]
+        inside += sum(max(0, min(start + b, hi) - max(start + a, lo)) for a, b in matrices)
+        start += size
     return inside
 
 
-def optimizer_state_elements(model, rank: Rank, lo: int, hi: int, optimizer: str) -> int:
+def optimizer_state_elements(model, rank: Rank, lo: int, hi: int, optimizer: str, experts: bool = False) -> int:
     """AdamW keeps two moments per element of [lo, hi); Muon one on its matrices."""
-    return 2 * (hi - lo) - (muon_elements(model, rank, lo, hi) if optimizer == "muon" else 0)
+    return 2 * (hi - lo) - (muon_elements(model, rank, lo, hi, experts) if optimizer == "muon" else 0)
 
 
 def state_bytes(model, parallel, rank: Rank, optimizer: str = "adamw", precision: str = "fp32") -> dict:
@@ -214,7 +223,8 @@ def state_bytes(model, parallel, rank: Rank, optimizer: str = "adamw", precision
         return dense
     experts = _buffer_state(expert_elements(model, rank.blocks(model.n_layers), rank.tp, rank.ep), rank.expert_dp,
                             rank.expert_dp_rank, min(parallel.zero_stage, 2), parallel.hierarchical_all_reduce, items,
-                            lambda lo, hi: 2 * (hi - lo), in_pass=None)
+                            lambda lo, hi: optimizer_state_elements(model, rank, lo, hi, optimizer, experts=True),
+                            in_pass=None)
     return {key: dense[key] + experts[key] for key in dense}
 
 

@@ -37,16 +37,21 @@ def moe_config(model) -> dict:
 
 
 @cache
-def moe_layer_sizes(model, tp: int) -> dict:
-    """{"moe_block": ((elements, tp-replicated?) of each dense-buffer Param of an MoE
-    block on one tp rank), "expert": (the same for one routed expert)}: built as rank 0
-    of a mesh of tp x ep = E without communicators (it holds one expert), never allocated."""
+def moe_layer_params(model, tp: int) -> dict:
+    """{"moe_block": the dense-buffer Params of an MoE block on one tp rank, "expert":
+    one routed expert's}: built as rank 0 of a mesh of tp x ep = E without
+    communicators (it holds one expert), never allocated."""
     topo = Topology(None, tp, 1, 1, ep=model.num_experts)
     block = Block("blocks.0", model.d_model, model.n_heads, model.n_layers, topo, moe=moe_config(model))
     experts = block.mlp.experts.parameters()
-    sizes = {"moe_block": [p for p in block.parameters() if all(p is not e for e in experts)], "expert": experts}
+    return {"moe_block": tuple(p for p in block.parameters() if all(p is not e for e in experts)),
+            "expert": tuple(experts)}
+
+
+def moe_layer_sizes(model, tp: int) -> dict:
+    """{piece: ((elements, tp-replicated?) of each Param)} of moe_layer_params."""
     return {piece: tuple((math.prod(p.local_shape), p.split_axis is None) for p in params)
-            for piece, params in sizes.items()}
+            for piece, params in moe_layer_params(model, tp).items()}
 
 
 def moe_block_elements(model) -> tuple[int, int]:
