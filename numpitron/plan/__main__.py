@@ -19,7 +19,8 @@ from numpitron.layout import check_layout
 from numpitron.distributed.stages import StagePlacement
 from numpitron.distributed.topology import resolve_mesh
 from numpitron.errors import UserError, exit_with_one_line
-from numpitron.plan.accounting import Rank, layer_elements
+from numpitron.plan.accounting import Rank
+from numpitron.plan.layer_sizes import layer_elements
 from numpitron.plan.experts import moe_block_elements
 from numpitron.plan.devices import load_device
 from numpitron.parallel.schedules import placement_of

@@ -9,20 +9,13 @@ holds both the embeddings and the head) and its cp_rank; tp, dp ranks do not cha
 these figures.
 """
 
-import math
 from dataclasses import dataclass
-from functools import cache
 
 from numpitron.distributed.sharding import pad_to_multiple, pieces_of_range
 from numpitron.distributed.stages import StagePlacement
-from numpitron.distributed.topology import Topology
-from numpitron.nn.block import Block
-from numpitron.nn.embedding import PositionEmbedding, VocabParallelEmbedding
-from numpitron.nn.head import LanguageModelHead
-from numpitron.optim.muon import is_hidden_matrix
 from numpitron.plan.collective_bytes import all_reduce_bytes as _all_reduce, half_bytes as _half
-from numpitron.plan.experts import (expert_elements, expert_gradient_traffic, moe_layer_params, moe_layer_sizes,
-                                    moe_traffic)
+from numpitron.plan.experts import expert_elements, expert_gradient_traffic, moe_traffic
+from numpitron.plan.layer_sizes import block_piece, layer_elements, layer_parameter_sizes, matrix_spans
 from numpitron.precision import FORMATS
 from numpitron.parallel.schedules import placement_of
 
@@ -108,28 +101,6 @@ class Rank:
         return sum(0 <= k < placed.stages and placed.rank_of(k) != self.stage for k in neighbours)
 
 
-@cache
-def layer_parameter_sizes(model, tp: int) -> dict:
-    """{piece: ((elements, tp-replicated?) of each Param on one tp rank, in order)} for a
-    block, the token embedding, the position embedding and the head (its ln_f), from the
-    layers' own Params: built as tp rank 0 of a mesh without communicators (every tp
-    rank holds as many), never allocated."""
-    topo, C = Topology(None, tp, 1, 1), model.d_model
-    token = VocabParallelEmbedding("embedding.token", model.vocab_size, C, topo)
-    pieces = {"block": Block("blocks.0", C, model.n_heads, model.n_layers, topo), "token": token,
-              "position": PositionEmbedding("embedding.position", model.seq_len, C),
-              "head": LanguageModelHead(token, C, topo)}
-    sizes = {piece: tuple((math.prod(p.local_shape), p.split_axis is None) for p in layer.parameters())
-             for piece, layer in pieces.items()}
-    return {**sizes, **(moe_layer_sizes(model, tp) if model.num_experts else {})}
-
-
-def layer_elements(model, tp: int) -> dict:
-    """{piece: (elements on one tp rank, of which tp-replicated)} of each piece above."""
-    return {piece: (sum(n for n, _ in sizes), sum(n for n, replicated in sizes if replicated))
-            for piece, sizes in layer_parameter_sizes(model, tp).items()}
-
-
 def parameter_elements(model, rank: Rank) -> tuple[int, int]:
     """(elements of this rank's slice of its stage, of which tp-replicated): its blocks,
     the token embedding on the first and last stage (one copy each, one in all when
@@ -140,35 +111,10 @@ def parameter_elements(model, rank: Rank) -> tuple[int, int]:
                  + sum(layers[block_piece(model, b)][i] for b in rank.blocks(model.n_layers)) for i in (0, 1))
 
 
-def block_piece(model, index: int) -> str:
-    """The dense buffer's piece of block `index`: a dense block, or an MoE block's
-    attention, router and shared experts (its routed experts are in the expert buffer)."""
-    return "moe_block" if model.is_moe_block(index) else "block"
-
-
 def block_elements(model, rank: Rank) -> list[int]:
     """Each block of this rank's stage in the dense buffer: the ZeRO-3 units."""
     layers = layer_elements(model, rank.tp)
     return [layers[block_piece(model, b)][0] for b in rank.blocks(model.n_layers)]
-
-
-@cache
-def matrix_spans(model, tp: int) -> dict:
-    """{piece: (its elements on one tp rank, the [start, stop) within it of each matrix
-    Muon updates (optim/muon.py: `is_hidden_matrix`), in the order of the flat buffer)}
-    for a block and, with experts, an MoE block's dense part and one expert."""
-    pieces = {"block": Block("blocks.0", model.d_model, model.n_heads, model.n_layers, Topology(None, tp, 1, 1)).parameters(),
-              **(moe_layer_params(model, tp) if model.num_experts else {})}
-    out = {}
-    for piece, params in pieces.items():
-        spans, offset = [], 0
-        for p in params:
-            n = math.prod(p.local_shape)
-            if is_hidden_matrix(p):
-                spans.append((offset, offset + n))
-            offset += n
-        out[piece] = (offset, tuple(spans))
-    return out
 
 
 def muon_elements(model, rank: Rank, lo: int, hi: int, experts: bool = False) -> int:
