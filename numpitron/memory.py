@@ -27,7 +27,8 @@ def check_fits(model_cfg, parallel_cfg, train_cfg, topo) -> None:
     """This rank's parameters, gradients, optimizer state and peak activations, from the
     planner's accounting (numpitron/plan/accounting.py, exact on every tested layout),
     against what this host has free."""
-    from numpitron.plan.accounting import Rank, peak_activation_bytes, state_bytes
+    from numpitron.plan.accounting import Rank, state_bytes
+    from numpitron.plan.activations import peak_activation_bytes
     rank = Rank.of(topo, parallel_cfg)
     need = sum(state_bytes(model_cfg, parallel_cfg, rank, train_cfg.optimizer).values()) \
         + peak_activation_bytes(model_cfg, parallel_cfg, train_cfg, rank)

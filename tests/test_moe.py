@@ -158,9 +158,3 @@ def test_layouts_that_cannot_work_are_one_line(model, mesh, parallel, message):
 def test_bad_moe_settings_are_one_line(fields, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ModelConfig(**fields).validate()
-
-
-def test_the_planner_says_it_does_not_model_experts():
-    from numpitron.plan.__main__ import main
-    with pytest.raises(UserError, match="the planner does not model mixture-of-experts layers yet"):
-        main(["--num-experts", "4"])

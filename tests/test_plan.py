@@ -5,21 +5,24 @@ and the peak activation bytes of the schedule, on every layout below."""
 import pytest
 
 from numpitron.optim.memory_report import memory_bytes
-from numpitron.plan.accounting import Rank, comm_bytes, comm_calls, peak_activation_bytes, state_bytes
-from tests.harness import assert_on_every_rank, make_trainer, tiny_model, tiny_tokens, tiny_train
+from numpitron.plan.accounting import Rank, comm_bytes, comm_calls, state_bytes
+from numpitron.plan.activations import peak_activation_bytes
+from tests.harness import TINY, assert_on_every_rank, make_trainer, tiny_model, tiny_tokens, tiny_train
 
 
-def measured_and_planned(n_layers=4, global_batch_size=8, dtype="float64", mixed=None, **layout):
-    """mixed: TrainConfig fields of a mixed-precision run (precision, grad_reduce_dtype)."""
-    trainer = make_trainer(tiny_model(dtype, n_layers=n_layers),
+def measured_and_planned(n_layers=4, global_batch_size=8, dtype="float64", mixed=None, moe=None, **layout):
+    """mixed: TrainConfig fields of a mixed-precision run (precision, grad_reduce_dtype);
+    moe: ModelConfig fields of a mixture-of-experts model."""
+    trainer = make_trainer(tiny_model(dtype, n_layers=n_layers, **(moe or {})),
                            tiny_train(global_batch_size=global_batch_size, **(mixed or {})), **layout)
     topo, model_cfg = trainer.topo, trainer.model_cfg
     topo.stats.reset()
     trainer.train_step(tiny_tokens())
     rank = Rank.of(topo, trainer.parallel_cfg)
     assert rank.placement == trainer.model.placement        # the planner places the stages as the model does
+    stores = [memory_bytes(optimizer) for optimizer in trainer.optimizers]     # experts: a second store
     return {
-        "memory": (memory_bytes(trainer.optimizer), state_bytes(model_cfg, trainer.parallel_cfg, rank,
+        "memory": ({k: sum(store[k] for store in stores) for k in stores[0]}, state_bytes(model_cfg, trainer.parallel_cfg, rank,
                                                                 trainer.train_cfg.optimizer, trainer.train_cfg.precision)),
         "comm": ({k: v["bytes"] for k, v in topo.stats.snapshot().items()},
                  comm_bytes(model_cfg, trainer.parallel_cfg, trainer.train_cfg, rank)),
@@ -335,16 +338,21 @@ def test_the_link_fit_recovers_alpha_and_beta_from_noisy_all_reduces():
 @pytest.mark.parallel(nprocs=2)
 def test_planned_calls_equal_the_calls_a_run_makes():
     """The calls the alpha term multiplies, against CommStats' count of one step:
-    tensor, pipeline, context and data parallelism (several buckets)."""
+    tensor, pipeline, context and data parallelism (several buckets), and with experts
+    (their all-to-alls, the expert buffer's buckets, the router's collectives)."""
     checks = {}
-    for layout in [dict(tensor=2), dict(pipeline=2), dict(context=2), dict(data=2, bucket_size=3000),
-                   dict(data=2, zero_stage=2, bucket_size=3000)]:
-        trainer = make_trainer(tiny_model(), tiny_train(), **layout)
+    for moe, layout in [({}, dict(tensor=2)), ({}, dict(pipeline=2)), ({}, dict(context=2)),
+                        ({}, dict(data=2, bucket_size=3000)), ({}, dict(data=2, zero_stage=2, bucket_size=3000)),
+                        (CAPPED, dict(data=2, expert=2, bucket_size=3000)),
+                        (CAPPED, dict(data=2, zero_stage=2, bucket_size=3000)),
+                        (DEEPSEEK, dict(tensor=2, sequence_parallel=True)),
+                        (CAPPED, dict(context=2, expert=2, recompute="full")), (DEEPSEEK, dict(pipeline=2))]:
+        trainer = make_trainer(tiny_model(**moe), tiny_train(), **layout)
         trainer.topo.stats.reset()
         trainer.train_step(tiny_tokens())
         planned = comm_calls(trainer.model_cfg, trainer.parallel_cfg, trainer.train_cfg,
                              Rank.of(trainer.topo, trainer.parallel_cfg))
-        checks[name(layout)] = ({k: v["calls"] for k, v in trainer.topo.stats.snapshot().items()}, planned)
+        checks[f"{name(layout)} {sorted(moe.items())}"] = ({k: v["calls"] for k, v in trainer.topo.stats.snapshot().items()}, planned)
     assert_on_every_rank(checks)
 
 
@@ -382,3 +390,61 @@ def test_a_slow_link_exposes_what_it_cannot_carry_during_the_backward():
     link = stage["comm_bytes"]["dp_cp.all_reduce"] / 1e6
     compute = sum(stage["time_s"][k] for k in ("matmul", "elementwise", "exp", "calls"))
     assert stage["time_s"]["exposed_comm"] == pytest.approx(result["pace"] * link - 2 / 3 * compute)
+
+
+# Experts (docs/14-experts.md): a capacity every expert fills (c = 0.25: 2 of a sequence's
+# 8 choices an expert draws on average) fixes the rows the all-to-alls carry, so the planned
+# bytes are the counted ones whatever the routing; dropless, the plan is the balanced ideal.
+CAPPED = dict(num_experts=4, moe_top_k=2, moe_capacity_factor=0.25)
+DEEPSEEK = dict(CAPPED, moe_shared_experts=1, moe_expert_hidden=64, moe_every=2, moe_load_balancing="bias")
+MOE_LAYOUTS_2 = [(CAPPED, dict(data=2, expert=2, zero_stage=1)), (DEEPSEEK, dict(data=2, expert=2, zero_stage=3)),
+                 (CAPPED, dict(data=2, expert=2, recompute="full", zero_stage=2)), (CAPPED, dict(data=2)),
+                 (DEEPSEEK, dict(tensor=2, sequence_parallel=True, recompute="full")), (CAPPED, dict(tensor=2)),
+                 (DEEPSEEK, dict(pipeline=2)), (DEEPSEEK, dict(tensor=2, sequence_parallel=True)),
+                 (CAPPED, dict(tensor=2, sequence_parallel=True, recompute="selective")),
+                 (CAPPED, dict(data=2, data_shard=1, zero_stage=2)), (CAPPED, dict(data=2, hierarchical_all_reduce=True))]
+
+
+def test_planned_memory_bytes_and_activations_of_experts_equal_one_process_counts():
+    for moe, layout in [(CAPPED, {}), (DEEPSEEK, {}), (CAPPED, dict(recompute="selective"))]:
+        checks = measured_and_planned(moe=moe, **layout)
+        assert all(measured == planned for measured, planned in checks.values()), checks
+    for moe in (CAPPED, DEEPSEEK):      # Muon: one moment on the matrices, the experts' and the router's too
+        measured, planned = measured_and_planned(moe=moe, mixed=dict(optimizer="muon"))["memory"]
+        assert measured == planned
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_planned_memory_bytes_and_activations_of_experts_equal_two_ranks_counts():
+    """dp x ep with ZeRO-1, 2 and 3 (the experts at stage 2), dp with the experts replicated,
+    tp (with sp, selective or full recomputation, shared experts), pp; dropless and cp x ep,
+    the balanced plan near the count."""
+    assert_on_every_rank({f"{i} {name(layout)} {key}": value
+                          for i, (moe, layout) in enumerate(MOE_LAYOUTS_2) for key, value in measured_and_planned(moe=moe, **layout).items()})
+    assert_on_every_rank({f"muon {name(layout)}": measured_and_planned(moe=moe, mixed=dict(optimizer="muon"), **layout)["memory"]
+                          for moe, layout in [(CAPPED, dict(data=2, expert=2, zero_stage=1)), (DEEPSEEK, dict(data=2, zero_stage=2))]})
+    # Dropless, or under cp (which splits a sequence's kept choices as the routing falls),
+    # the all-to-all rows follow the router: the balanced plan is near the count, the rest exact.
+    for moe, layout in [(dict(CAPPED, moe_capacity_factor=0), dict(data=2, expert=2)), (CAPPED, dict(context=2, expert=2))]:
+        checks = measured_and_planned(moe=moe, **layout)
+        (measured, planned), memory = checks["comm"], checks["memory"]
+        assert planned["ep.all_to_allv"] == pytest.approx(measured["ep.all_to_allv"], rel=0.1)
+        assert memory[0] == memory[1] and {k: v for k, v in measured.items() if k != "ep.all_to_allv"} == \
+            {k: v for k, v in planned.items() if k != "ep.all_to_allv"}
+
+
+def test_experts_flops_are_a_tokens_active_matmuls_and_the_step_time_follows():
+    """Per token an MoE block runs the router (C x E) and k experts (two C x 4C matrices
+    each) where a dense block runs its MLP: with k = 1 only the router is added, each
+    further choice adds one expert's matmuls, 6 FLOPs a weight (forward and backward)."""
+    from numpitron.config import ParallelConfig
+    from numpitron.plan.devices import load_device
+    from numpitron.plan.predict import plan
+    parallel, train, device = ParallelConfig().validate(), tiny_train(), load_device("this-machine")
+    plans = {k: plan(tiny_model(**({"num_experts": 4, "moe_top_k": k} if k else {})), parallel, train, (1, 1, 1, 1),
+                     device) for k in (0, 1, 2)}
+    C, L, tokens = TINY["d_model"], TINY["n_layers"], train.global_batch_size * TINY["seq_len"]
+    flops = {k: p["model_flops_per_iteration"] for k, p in plans.items()}
+    assert flops[1] - flops[0] == pytest.approx(6 * tokens * L * C * 4)
+    assert flops[2] - flops[1] == pytest.approx(6 * tokens * L * 2 * C * 4 * C)
+    assert 0 < plans[0]["step_s"] < plans[2]["step_s"] and plans[1]["step_s"] < plans[2]["step_s"]

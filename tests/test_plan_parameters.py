@@ -54,12 +54,14 @@ def test_the_planner_prints_the_size_and_puts_it_in_json():
     assert counts["total"] == 809_856 == counts["active_per_token"]      # the default model
 
 
-def test_with_experts_the_json_holds_the_size_and_the_refusal_is_one_line():
-    args = [sys.executable, "-m", "numpitron.plan", "--num-experts", "4", "--moe-top-k", "2", "--json"]
+def test_with_experts_the_json_holds_the_size_and_the_plan():
+    args = [sys.executable, "-m", "numpitron.plan", "--num-experts", "4", "--moe-top-k", "2",
+            "--data-parallel-size", "2", "--expert-parallel-size", "2", "--json"]
     result = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=60)
-    counts = json.loads(result.stdout)["parameters"]
-    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1
-    assert counts["active_per_token"] < counts["total"] and f"{counts['total']:,} parameters" in result.stderr
+    plan = json.loads(result.stdout)
+    counts = plan["parameters"]
+    assert result.returncode == 0 and counts["active_per_token"] < counts["total"]
+    assert plan["mesh"]["ep"] == 2 and plan["stages"][0]["comm_bytes"]["ep.all_to_allv"] > 0 and plan["step_s"] > 0
 
 
 @pytest.mark.parallel(nprocs=2)

@@ -19,7 +19,9 @@ from numpitron.layout import check_layout
 from numpitron.distributed.stages import StagePlacement
 from numpitron.distributed.topology import resolve_mesh
 from numpitron.errors import UserError, exit_with_one_line
-from numpitron.plan.accounting import Rank, layer_elements, moe_block_elements
+from numpitron.plan.accounting import Rank
+from numpitron.plan.layer_sizes import layer_elements
+from numpitron.plan.experts import moe_block_elements
 from numpitron.plan.devices import load_device
 from numpitron.parallel.schedules import placement_of
 from numpitron.plan.predict import plan
@@ -41,7 +43,7 @@ def layout_of(args, world: int, model, parallel, train):
     mesh = resolve_mesh(world, args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size,
                         args.context_parallel_size, args.expert_parallel_size, args.data_parallel_shard_size)
     check_layout(model, train, mesh, parallel)
-    return tuple(mesh)[:4] + (mesh.dp_shard,)      # (tp, pp, dp, cp, S): experts are refused in main
+    return tuple(mesh)[:4] + (mesh.dp_shard, mesh.ep)      # (tp, pp, dp, cp, S, ep)
 
 
 def search(args, model, parallel, train, device) -> tuple[list, list]:
@@ -82,13 +84,12 @@ def parameter_counts(model, placement: StagePlacement = StagePlacement(1)) -> di
 
     def block(i: int, used: bool = False) -> int:
         return (active if used else every) if model.is_moe_block(i) else pieces["block"]
-    L, chunks = model.n_layers, placement.stages
+    L = model.n_layers
     outer = pieces["token"] + pieces["position"] + pieces["head"]
     per_stage = []
     for r in range(placement.p):
         rank = Rank(1, placement.p, 1, 1, r, placement=placement)
-        blocks = [i for c in range(placement.v) for j in [placement.stage(r, c)]
-                  for i in range(j * L // chunks, (j + 1) * L // chunks)]
+        blocks = rank.blocks(L)
         per_stage.append(sum(map(block, blocks)) + pieces["token"] * (rank.first or rank.last)
                          + pieces["position"] * rank.first + pieces["head"] * rank.last)
     return {"total": sum(map(block, range(L))) + outer, "per_stage": per_stage,
@@ -111,7 +112,8 @@ def report(result: dict) -> str:
     mesh = result["mesh"]
     hybrid = f" (ZeRO over {mesh['dp_shard']} of them)" if mesh["dp_shard"] < mesh["dp"] else ""
     lines = ["model: " + size_line(result["parameters"]),
-             f"mesh tp={mesh['tp']} pp={mesh['pp']} dp={mesh['dp']}{hybrid} cp={mesh['cp']} ({mesh['devices']} devices), "
+             f"mesh tp={mesh['tp']} pp={mesh['pp']} dp={mesh['dp']}{hybrid} cp={mesh['cp']}"
+             + (f" ep={mesh['ep']}" if mesh["ep"] > 1 else "") + f" ({mesh['devices']} devices), "
              f"{result['microbatches']} micro-batches, bubble {result['bubble']:.1%}",
              f"model FLOPs per iteration {result['model_flops_per_iteration']:.3e} "
              f"(executed {result['hardware_flops_per_iteration']:.3e})",
@@ -119,6 +121,9 @@ def report(result: dict) -> str:
              f"MFU {result['mfu']:.1%}, fits: {result['fits']}"
              + (f" ({result['time_sharing']:g} ranks per core)" if result["time_sharing"] > 1 else "")
              + (f", at the slowest rank's pace x{result['pace']:.2f}" if result["pace"] != 1 else "")]
+    if result["parameters"]["active_per_token"] != result["parameters"]["total"]:
+        lines.append("experts: rows per expert planned for balanced routing (exact when a capacity is "
+                     "filled by every expert; dropless, the real rows follow the router)")
     for s in result["stages"]:
         t = s["time_s"]
         lines.append(f"  stage {s['stage']}: params {s['params'] / 2**20:.1f} MiB, grads {s['grads'] / 2**20:.1f} MiB, "
@@ -140,13 +145,6 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     model, parallel, train = configs_from_args(args)
     model = replace(model, vocab_size=args.vocab_size).validate()
-    if model.num_experts:                # its size, then why there is no plan
-        counts = sizes(model, parallel, args.pipeline_parallel_size)
-        if args.json:
-            print(json.dumps({"parameters": counts}))
-        raise UserError("the planner does not model mixture-of-experts layers yet (their all-to-all bytes "
-                        "depend on the routing): plan the dense model, see docs/11-experts.md; this model has "
-                        + size_line(counts))
     if args.devices is not None and args.devices < 1:
         raise UserError(f"--devices must be positive, got {args.devices}")
     device = load_device(args.device)

@@ -1,7 +1,7 @@
 """Bytes a rank stores and moves in one training iteration, computed from the configs
 and the mesh alone: one function per quantity, each term named after the strategy
 that adds it. Tests compare every figure with what a real run counts (`ParamStore`,
-the optimizer, `CommStats`, `PipelineStats.peak_activation_bytes`), to the byte.
+the optimizer, `CommStats`), to the byte; the activations are plan/activations.py's.
 
 A rank is described by its stage (pp_rank), the placement of the virtual stages on
 the pipeline's ranks (the model's own `StagePlacement`: a loop, or a V whose rank 0
@@ -9,20 +9,15 @@ holds both the embeddings and the head) and its cp_rank; tp, dp ranks do not cha
 these figures.
 """
 
-import math
 from dataclasses import dataclass
-from functools import cache
 
 from numpitron.distributed.sharding import pad_to_multiple, pieces_of_range
 from numpitron.distributed.stages import StagePlacement
-from numpitron.distributed.topology import Topology
-from numpitron.nn.activation_memory import block_activation_bytes
-from numpitron.nn.block import Block
-from numpitron.nn.embedding import PositionEmbedding, VocabParallelEmbedding
-from numpitron.nn.head import LanguageModelHead
-from numpitron.optim.muon import is_hidden_matrix
+from numpitron.plan.collective_bytes import all_reduce_bytes as _all_reduce, half_bytes as _half
+from numpitron.plan.experts import expert_elements, expert_gradient_traffic, moe_traffic
+from numpitron.plan.layer_sizes import block_piece, layer_elements, layer_parameter_sizes, matrix_spans
 from numpitron.precision import FORMATS
-from numpitron.parallel.schedules import BACKWARD, FORWARD, WEIGHT_GRAD, make_schedule, placement_of
+from numpitron.parallel.schedules import placement_of
 
 F64 = 8          # the loss and the squared gradient norm travel as one float64
 
@@ -38,12 +33,38 @@ class Rank:
     dp_rank: int = 0               # only ZeRO-3's traffic depends on it (where the slices fall)
     dp_shard: int = 0              # HSDP's S (0: dp): ZeRO shards over cp x S ranks, dp / S replicas
     placement: StagePlacement | None = None     # None: one stage a rank, in a line
+    ep: int = 1                    # expert parallelism, carved out of dp x cp
 
     @classmethod
     def of(cls, topo, parallel) -> "Rank":
         """This process's rank, its virtual stages placed as `parallel`'s schedule places them."""
         return cls(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank, topo.cp_rank, topo.dp_rank, topo.dp_shard,
-                   placement_of(parallel.schedule, topo.pp, parallel.virtual_stages))
+                   placement_of(parallel.schedule, topo.pp, parallel.virtual_stages), topo.ep)
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same experts, which average their gradients: dp x cp / ep."""
+        return self.dp * self.cp // self.ep
+
+    @property
+    def expert_dp_rank(self) -> int:
+        return (self.dp_rank * self.cp + self.cp_rank) // self.ep
+
+    @property
+    def expert_shard_group(self) -> int:
+        """expert_dp ranks of one replica, which shard an expert's state (expert_dp_shard):
+        cp x S / ep, all of expert_dp unless hybrid (distributed/topology.py)."""
+        return max(self.shard_group // self.ep, 1)
+
+    @property
+    def expert_shard_rank(self) -> int:
+        return self.expert_dp_rank % self.expert_shard_group
+
+    def blocks(self, n_layers: int) -> list[int]:
+        """The blocks of this rank's stage, in the order of its flat buffer (chunk by chunk)."""
+        placed = self.stages
+        return [i for c in range(placed.v) for j in [placed.stage(self.stage, c)]
+                for i in range(j * n_layers // placed.stages, (j + 1) * n_layers // placed.stages)]
 
     @property
     def stages(self) -> StagePlacement:
@@ -90,96 +111,42 @@ class Rank:
         return sum(0 <= k < placed.stages and placed.rank_of(k) != self.stage for k in neighbours)
 
 
-def _all_reduce(nbytes: float, ranks: int) -> float:
-    return 2 * (ranks - 1) / ranks * nbytes
-
-
-def _half(nbytes: float, ranks: int) -> float:
-    """An all-gather or a reduce-scatter of a full buffer of nbytes over `ranks` ranks."""
-    return (ranks - 1) / ranks * nbytes
-
-
-@cache
-def layer_parameter_sizes(model, tp: int) -> dict:
-    """{piece: ((elements, tp-replicated?) of each Param on one tp rank, in order)} for a
-    block, the token embedding, the position embedding and the head (its ln_f), from the
-    layers' own Params: built as tp rank 0 of a mesh without communicators (every tp
-    rank holds as many), never allocated."""
-    topo, C = Topology(None, tp, 1, 1), model.d_model
-    token = VocabParallelEmbedding("embedding.token", model.vocab_size, C, topo)
-    pieces = {"block": Block("blocks.0", C, model.n_heads, model.n_layers, topo), "token": token,
-              "position": PositionEmbedding("embedding.position", model.seq_len, C),
-              "head": LanguageModelHead(token, C, topo)}
-    return {piece: tuple((math.prod(p.local_shape), p.split_axis is None) for p in layer.parameters())
-            for piece, layer in pieces.items()}
-
-
-def layer_elements(model, tp: int) -> dict:
-    """{piece: (elements on one tp rank, of which tp-replicated)} of each piece above."""
-    return {piece: (sum(n for n, _ in sizes), sum(n for n, replicated in sizes if replicated))
-            for piece, sizes in layer_parameter_sizes(model, tp).items()}
-
-
-@cache
-def moe_block_elements(model) -> tuple[int, int]:
-    """(every parameter, the ones one token uses) of an MoE block, counted from its
-    layers' Params on one rank (never allocated): attention, the router, every expert
-    and the shared experts; a token runs top-k of the E routed experts."""
-    topo = Topology(None, 1, 1, 1)
-    moe = dict(num_experts=model.num_experts, top_k=model.moe_top_k, capacity_factor=model.moe_capacity_factor,
-               aux_loss_coef=0.0, shared_experts=model.moe_shared_experts, expert_hidden=model.moe_expert_hidden)
-    block = Block("blocks.0", model.d_model, model.n_heads, model.n_layers, topo, moe=moe)
-    every = sum(math.prod(p.local_shape) for p in block.parameters())
-    one_expert = sum(math.prod(p.local_shape) for p in block.mlp.experts.mlps[0].parameters())
-    return every, every - (model.num_experts - model.moe_top_k) * one_expert
-
-
 def parameter_elements(model, rank: Rank) -> tuple[int, int]:
     """(elements of this rank's slice of its stage, of which tp-replicated): its blocks,
     the token embedding on the first and last stage (one copy each, one in all when
     one rank holds both, as rank 0 of a V), the positions on the first, ln_f on the last."""
     layers = layer_elements(model, rank.tp)
-    copies = {"block": model.n_layers // rank.pp, "token": int(rank.first or rank.last),
-              "position": int(rank.first), "head": int(rank.last)}
-    return tuple(sum(count * layers[piece][i] for piece, count in copies.items()) for i in (0, 1))
+    copies = {"token": int(rank.first or rank.last), "position": int(rank.first), "head": int(rank.last)}
+    return tuple(sum(count * layers[piece][i] for piece, count in copies.items())
+                 + sum(layers[block_piece(model, b)][i] for b in rank.blocks(model.n_layers)) for i in (0, 1))
 
 
-def block_elements(model, tp: int) -> int:
-    """One transformer block's parameters on a tp rank: the ZeRO-3 unit."""
-    return layer_elements(model, tp)["block"][0]
+def block_elements(model, rank: Rank) -> list[int]:
+    """Each block of this rank's stage in the dense buffer: the ZeRO-3 units."""
+    layers = layer_elements(model, rank.tp)
+    return [layers[block_piece(model, b)][0] for b in rank.blocks(model.n_layers)]
 
 
-@cache
-def block_matrix_spans(model, tp: int) -> tuple[int, tuple]:
-    """A block's elements on one tp rank, and the [start, stop) within it of each matrix
-    Muon updates (optim/muon.py: `is_hidden_matrix`), in the order of the flat buffer."""
-    block, spans, offset = Block("blocks.0", model.d_model, model.n_heads, model.n_layers, Topology(None, tp, 1, 1)), [], 0
-    for p in block.parameters():
-        n = math.prod(p.local_shape)
-        if is_hidden_matrix(p):
-            spans.append((offset, offset + n))
-        offset += n
-    return offset, tuple(spans)
-
-
-def muon_elements(model, rank: Rank, lo: int, hi: int) -> int:
+def muon_elements(model, rank: Rank, lo: int, hi: int, experts: bool = False) -> int:
     """Elements of Muon's matrices inside [lo, hi) of this rank's stage: the stage's
     flat buffer is the token embedding (first and last stage), the positions (first),
-    then the blocks, then ln_f (last)."""
-    layers = layer_elements(model, rank.tp)
-    start = layers["token"][0] * (rank.first or rank.last) + layers["position"][0] * rank.first
-    block, spans = block_matrix_spans(model, rank.tp)
+    then the blocks, then ln_f (last); the expert buffer, E/ep experts of each MoE block."""
+    layers, spans = layer_elements(model, rank.tp), matrix_spans(model, rank.tp)
+    blocks = rank.blocks(model.n_layers)
+    start = 0 if experts else layers["token"][0] * (rank.first or rank.last) + layers["position"][0] * rank.first
+    pieces = ["expert"] * (sum(map(model.is_moe_block, blocks)) * model.num_experts // rank.ep) if experts \
+        else [block_piece(model, b) for b in blocks]
     inside = 0
-    for k in range(model.n_layers // rank.pp):
-        for a, b in spans:
-            a, b = start + k * block + a, start + k * block + b
-            inside += max(0, min(b, hi) - max(a, lo))
+    for piece in pieces:
+        size, matrices = spans[piece]
+        inside += sum(max(0, min(start + b, hi) - max(start + a, lo)) for a, b in matrices)
+        start += size
     return inside
 
 
-def optimizer_state_elements(model, rank: Rank, lo: int, hi: int, optimizer: str) -> int:
+def optimizer_state_elements(model, rank: Rank, lo: int, hi: int, optimizer: str, experts: bool = False) -> int:
     """AdamW keeps two moments per element of [lo, hi); Muon one on its matrices."""
-    return 2 * (hi - lo) - (muon_elements(model, rank, lo, hi) if optimizer == "muon" else 0)
+    return 2 * (hi - lo) - (muon_elements(model, rank, lo, hi, experts) if optimizer == "muon" else 0)
 
 
 def state_bytes(model, parallel, rank: Rank, optimizer: str = "adamw", precision: str = "fp32") -> dict:
@@ -195,62 +162,46 @@ def state_bytes(model, parallel, rank: Rank, optimizer: str = "adamw", precision
     next is prefetched or the last is reduce-scattered; one without overlap). The peak
     is the sum. Mixed precision (docs/16-numbers.md): parameters and gradients in the
     low format, 2 bytes; the optimizer state 12 bytes an element of its slice, the fp32
-    master weights and both fp32 moments (Muon is fp32 only)."""
+    master weights and both fp32 moments (Muon is fp32 only). Experts (docs/14-experts.md):
+    a second buffer, E/ep experts of each MoE block, sharded the same way over the
+    expert_dp ranks of one replica (cp x S / ep), at stage 2 under ZeRO-3 (parallel/optimizer.py)."""
     fmt = FORMATS[precision]
-    group, stage = rank.shard_group, parallel.zero_stage
     # state_item: bytes per moment element (optimizer_state_elements counts two an element):
     # mixed, (4 master + 4 m + 4 v) / 2.
-    item, state_item = (fmt.itemsize, 6) if fmt.mixed else (model.itemsize, model.itemsize)
-    size = parameter_elements(model, rank)[0]
+    items = (fmt.itemsize, 6) if fmt.mixed else (model.itemsize, model.itemsize)
+    size, blocks = parameter_elements(model, rank)[0], block_elements(model, rank)
+    whole = min(2 if parallel.overlap_grad_reduce else 1, len(blocks))      # no prefetch: one at a time
+    gathered = max(sum(blocks[i:i + whole]) for i in range(len(blocks) - whole + 1)) if blocks else 0
+    dense = _buffer_state(size, rank.shard_group, rank.shard_rank, parallel.zero_stage, parallel.hierarchical_all_reduce,
+                          items, lambda lo, hi: optimizer_state_elements(model, rank, lo, hi, optimizer),
+                          in_pass=lambda padded: padded - sum(blocks) + gathered)
+    if not model.num_experts:
+        return dense
+    experts = _buffer_state(expert_elements(model, rank.blocks(model.n_layers), rank.tp, rank.ep),
+                            rank.expert_shard_group, rank.expert_shard_rank, min(parallel.zero_stage, 2), parallel.hierarchical_all_reduce, items,
+                            lambda lo, hi: optimizer_state_elements(model, rank, lo, hi, optimizer, experts=True),
+                            in_pass=None)
+    return {key: dense[key] + experts[key] for key in dense}
+
+
+def _buffer_state(size: int, group: int, group_rank: int, stage: int, hierarchical: bool, items, moments,
+                  in_pass) -> dict:
+    """One flat buffer's bytes on a rank (state_bytes): `size` elements sharded over
+    `group` ranks at ZeRO `stage`; moments(lo, hi): the optimizer's state elements of
+    [lo, hi); in_pass(padded): elements gathered whole during a pass (ZeRO-3)."""
+    item, state_item = items
     if stage == 0:
-        size = pad_to_multiple(size, group) if parallel.hierarchical_all_reduce else size
-        return {"params": size * item, "grads": size * item,
-                "optimizer_state": optimizer_state_elements(model, rank, 0, size, optimizer) * state_item,
+        size = pad_to_multiple(size, group) if hierarchical else size
+        return {"params": size * item, "grads": size * item, "optimizer_state": moments(0, size) * state_item,
                 "gathered_params_peak": 0, "backward_grads_peak": 0}
     padded = pad_to_multiple(size, group)
-    shard, group_rank = padded // group, rank.shard_rank
-    blocks = model.n_layers // rank.pp
-    whole = min(2 if parallel.overlap_grad_reduce else 1, blocks)        # no prefetch: one at a time
-    in_pass = padded - blocks * block_elements(model, rank.tp) + whole * block_elements(model, rank.tp)
+    shard = padded // group
+    peak = in_pass(padded) if stage == 3 else 0
     return {"params": (shard if stage == 3 else padded) * item,
             "grads": (shard + (padded if stage == 1 else 0)) * item,
-            "optimizer_state": optimizer_state_elements(model, rank, group_rank * shard, (group_rank + 1) * shard,
-                                                        optimizer) * state_item,
-            "gathered_params_peak": in_pass * item if stage == 3 else 0,
-            "backward_grads_peak": {1: 0, 2: padded, 3: in_pass}[stage] * item}
-
-
-def chunk_activation_bytes(model, parallel, train, rank: Rank, chunk: int = 0) -> int:
-    """What one micro-batch's caches keep in one chunk of this stage (docs/09 and docs/13
-    derive it): its n_layers / (p v) blocks, the embeddings in virtual stage 0, the head
-    in the last."""
-    item, tp = model.itemsize, rank.tp
-    B, T, C = train.micro_batch_size, model.seq_len // rank.cp, model.d_model
-    tokens, split = B * T, (tp if parallel.sequence_parallel else 1)
-    # A bf16 or fp16 run keeps activations in 2 bytes and statistics (1/std, the
-    # log-sum-exps, the loss's probabilities) in fp32 (nn/layer.py).
-    fmt = FORMATS[getattr(train, "precision", "fp32")]
-    low = fmt.itemsize if fmt.mixed else item
-    total = (model.n_layers // rank.stages.stages) * block_activation_bytes(
-        B, T, C, model.n_heads, tp, parallel.sequence_parallel, parallel.recompute, low, rank.cp, rank.cp_rank,
-        stat_itemsize=item)
-    if rank.holds_embeddings(chunk):    # token rows (int64), owned mask (bool), the positions (int64)
-        total += 9 * tokens + 8 * T
-    if rank.holds_head(chunk):          # ln_f (x-hat, 1/std), the head's input, the loss's probabilities
-        n = tokens // split
-        total += low * 2 * n * C + item * (n + tokens * pad_to_multiple(model.vocab_size, tp) // tp) + 9 * tokens
-    return total
-
-
-def peak_activation_bytes(model, parallel, train, rank: Rank) -> int:
-    """Walk this stage's schedule: a chunk's caches live from its forward to its whole
-    backward (BW) or its weight half (W); the peak of their sum."""
-    m, alive, peak = train.num_microbatches(rank.dp), 0, 0
-    for op in make_schedule(parallel.schedule, m, rank.pp, rank.stage, parallel.virtual_stages):
-        nbytes = chunk_activation_bytes(model, parallel, train, rank, op.chunk)
-        alive += nbytes if op.action == FORWARD else -nbytes if op.action in (BACKWARD, WEIGHT_GRAD) else 0
-        peak = max(peak, alive)
-    return peak
+            "optimizer_state": moments(group_rank * shard, (group_rank + 1) * shard) * state_item,
+            "gathered_params_peak": peak * item,
+            "backward_grads_peak": {1: 0, 2: padded, 3: peak}[stage] * item}
 
 
 def comm_bytes(model, parallel, train, rank: Rank) -> dict:
@@ -264,14 +215,17 @@ def comm_calls(model, parallel, train, rank: Rank) -> dict:
     return {kind: calls for kind, (_, calls) in comm_traffic(model, parallel, train, rank).items()}
 
 
-def gradient_buckets(model, rank: Rank, bucket_size: int, padding: int = 0) -> int:
+def gradient_buckets(model, rank: Rank, bucket_size: int, padding: int = 0, experts: bool = False) -> int:
     """Buckets of the data-parallel reduction (parallel/data_parallel.py): walking this
-    stage's flat buffer (token embedding, positions, blocks, ln_f) from the end, one is
-    cut at a parameter's start once it holds bucket_size elements (the padding rides in
-    the first), the rest go in the last."""
-    sizes = layer_parameter_sizes(model, rank.tp)
+    stage's flat buffer (token embedding, positions, blocks, ln_f; or, `experts`, the
+    expert buffer: E/ep experts of each MoE block) from the end, one is cut at a
+    parameter's start once it holds bucket_size elements (the padding rides in the
+    first), the rest go in the last."""
+    sizes, blocks = layer_parameter_sizes(model, rank.tp), rank.blocks(model.n_layers)
     copies = [("token", rank.first or rank.last), ("position", rank.first),
-              *[("block", True)] * (model.n_layers // rank.pp), ("head", rank.last)]
+              *[(block_piece(model, b), True) for b in blocks], ("head", rank.last)]
+    if experts:
+        copies = [("expert", True)] * (sum(map(model.is_moe_block, blocks)) * model.num_experts // rank.ep)
     params = [n for piece, held in copies if held for n, _ in sizes[piece]]
     buckets, hi, lo = 0, sum(params) + padding, sum(params)
     for n in reversed(params):
@@ -296,7 +250,7 @@ def comm_traffic(model, parallel, train, rank: Rank) -> dict:
     act, sp, full = B * T * C * item, parallel.sequence_parallel, parallel.recompute == "full"
     out = {}
 
-    def add(key, nbytes, calls=1):
+    def add(key, nbytes, calls=1):        # negative: a term an MoE block replaces
         if nbytes:
             was = out.get(key, (0.0, 0))
             out[key] = (was[0] + nbytes, was[1] + calls)
@@ -342,7 +296,14 @@ def comm_traffic(model, parallel, train, rank: Rank) -> dict:
         add("dp_shard_model.all_reduce", _all_reduce(F64, tp * cp * pp * rank.dp // replicas))
     elif tp * pp > 1:
         add("model.all_reduce", _all_reduce(F64, tp * pp))            # the gradient norm
-    return out
+    if model.num_experts:
+        moe_traffic(model, parallel, train, rank, add)
+        expert_padding = 0
+        if sharded:
+            expert_padding = -expert_elements(model, rank.blocks(model.n_layers), tp, rank.ep) % rank.expert_shard_group
+        expert_gradient_traffic(model, parallel, rank, add, (param_item, grad_item),
+                                gradient_buckets(model, rank, parallel.bucket_size, expert_padding, experts=True))
+    return {kind: traffic for kind, traffic in out.items() if traffic[0]}
 
 
 def _zero3_elements_moved(model, rank: Rank, m: int, padded: int) -> tuple[int, int]:
@@ -353,12 +314,12 @@ def _zero3_elements_moved(model, rank: Rank, m: int, padded: int) -> tuple[int, 
     stage (ZeRO-3 refuses pipelines): the root is the head and the tail of the buffer."""
     group = rank.shard_group
     group_rank = rank.dp_rank % (group // rank.cp) * rank.cp + rank.cp_rank
-    pieces = layer_elements(model, rank.tp)
-    block, head = pieces["block"][0], pieces["token"][0] + pieces["position"][0]
-    layers = model.n_layers
+    pieces, blocks = layer_elements(model, rank.tp), block_elements(model, rank)
+    head = pieces["token"][0] + pieces["position"][0]
+    starts = [head + sum(blocks[:i]) for i in range(len(blocks) + 1)]
 
     def outside(a, b):
         return (b - a) - pieces_of_range(a, b, padded, group)[group_rank]
-    root = outside(0, head) + outside(head + layers * block, padded)
-    blocks = sum(outside(head + i * block, head + (i + 1) * block) for i in range(layers))
+    root = outside(0, head) + outside(starts[-1], padded)
+    blocks = sum(outside(a, b) for a, b in zip(starts, starts[1:]))
     return root + 2 * m * blocks, root + m * blocks

@@ -151,12 +151,22 @@ def block_work(B, T, C, H, tp, cp=1, sequence_parallel=False, recompute="none") 
         w.ew(n_ln * C, 2)                                      # the two residual additions
         _linear(w, n, C, 3 * C // tp, forward, backward)       # q|k|v
         _linear(w, n, C // tp, C, forward, backward)           # output projection
-        _linear(w, n, C, F, forward, backward, bias_forward=False)     # MLP up: GELU adds the bias
-        _linear(w, n, F, C, forward, backward)                 # MLP down
         w.ew(n * C // tp, PASSES["heads"][0 if forward else 1])   # the heads' copies and scalings
-        _gelu(w, n * F, forward, backward)
         _attention_core(w, B, T, heads, hd, cp, forward, backward, recompute_probs=recompute == "selective")
         w.small(SMALL_CALLS["block"])
+    w += mlp_work(n, C, F, recompute)
+    return w
+
+
+def mlp_work(n, C, F, recompute="none") -> Work:
+    """An MLP of hidden width F (this rank's part) over n rows, one micro-batch: forward,
+    both backward halves, and the forward again under full recomputation. An MoE block
+    runs it over the rows its experts receive (plan/experts.py)."""
+    w = Work()
+    for forward, backward in [(True, False)] * (2 if recompute == "full" else 1) + [(False, True)]:
+        _linear(w, n, C, F, forward, backward, bias_forward=False)     # up: GELU adds the bias
+        _linear(w, n, F, C, forward, backward)                 # down
+        _gelu(w, n * F, forward, backward)
     return w
 
 

@@ -46,7 +46,9 @@ Each choice is an estimate, stated so that its error can be read off.
 from numpitron.distributed.sharding import pad_to_multiple
 from numpitron.parallel.schedules import ideal_bubble, placement_of
 from numpitron.plan.accounting import (Rank, comm_bytes, comm_calls, gradient_buckets, parameter_elements,
-                                       peak_activation_bytes, state_bytes)
+                                       state_bytes)
+from numpitron.plan.activations import peak_activation_bytes
+from numpitron.plan.experts import moe_block_work, moe_flops_delta
 from numpitron.plan.flops import hardware_flops, model_flops
 from numpitron.precision import FORMATS
 from numpitron.plan.kernels import Work, block_work, embedding_work, head_work, optimizer_work
@@ -54,8 +56,9 @@ from numpitron.plan.kernels import Work, block_work, embedding_work, head_work, 
 
 def plan(model, parallel, train, mesh, device) -> dict:
     """Memory, bytes, FLOPs and time of one iteration, per stage (the first rank of each).
-    mesh: (tp, pp, dp, cp), and HSDP's S (default dp)."""
+    mesh: (tp, pp, dp, cp), and HSDP's S (default dp), and ep (default 1)."""
     tp, pp, dp, cp, S = mesh_sizes(mesh)
+    ep = expert_size(mesh)
     m = train.num_microbatches(dp)
     global_batch = train.global_batch(dp)
     devices = tp * pp * dp * cp
@@ -72,7 +75,7 @@ def plan(model, parallel, train, mesh, device) -> dict:
     stages = []
     placement = placement_of(parallel.schedule, pp, parallel.virtual_stages)
     for stage in range(pp):
-        rank = Rank(tp, pp, dp, cp, stage, cp_rank=cp - 1, dp_shard=S, placement=placement)   # the ring's busiest rank
+        rank = Rank(tp, pp, dp, cp, stage, cp_rank=cp - 1, dp_shard=S, placement=placement, ep=ep)  # the ring's busiest
         state = state_bytes(model, parallel, rank, train.optimizer, train.precision)
         if on_paper:                                              # mixed precision on paper
             params = state["params"] // model.itemsize
@@ -93,9 +96,10 @@ def plan(model, parallel, train, mesh, device) -> dict:
             tier = tiers.setdefault(link_tier(kind, mesh, device), {"bytes": 0.0, "seconds": 0.0})
             tier["bytes"] += nbytes
             tier["seconds"] += t_comm[kind]
-        exposed_per_mb = sum(t for kind, t in t_comm.items() if kind.split(".")[0] in ("tp", "cp", "pp")) / m
+        exposed_per_mb = sum(t for kind, t in t_comm.items() if kind.split(".")[0] in ("tp", "cp", "pp", "ep")) / m
         t_adam = sum(price(step_work(model, parallel, rank), device, itemsize).values())
-        dp_time = sum(t for kind, t in t_comm.items() if kind.startswith(("dp_cp.", "dp_shard.", "dp_replica.")))
+        dp_time = sum(t for kind, t in t_comm.items()
+                      if kind.startswith(("dp_cp.", "dp_shard.", "dp_replica.", "expert_dp.", "expert_dp_shard.")))
         buckets = gradient_buckets(model, rank, parallel.bucket_size)
         overlapped = parallel.zero_stage in (0, 2) and parallel.overlap_grad_reduce and not parallel.hierarchical_all_reduce
         # Overlapped, the last bucket is exposed, and whatever the link could not carry
@@ -116,22 +120,28 @@ def plan(model, parallel, train, mesh, device) -> dict:
                                   "exposed_comm": stretch * (m * exposed_per_mb + exposed_dp),
                                   "optimizer": stretch * t_adam, "bubble": idle, "step": step}})
     step = max(s["time_s"]["step"] for s in stages)
-    flops = model_flops(*args)
-    return {"mesh": {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "dp_shard": S, "devices": devices}, "microbatches": m,
-            "groups_across_hosts": groups_across_hosts(mesh, device),
-            "model_flops_per_iteration": flops, "hardware_flops_per_iteration": hardware_flops(*args, parallel.recompute),
+    tokens = global_batch * model.seq_len
+    flops = model_flops(*args) + moe_flops_delta(model, tokens)
+    executed = hardware_flops(*args, parallel.recompute) + moe_flops_delta(model, tokens, 1 + (parallel.recompute == "full"))
+    return {"mesh": {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "dp_shard": S, "ep": ep, "devices": devices},
+            "microbatches": m, "groups_across_hosts": groups_across_hosts(mesh, device),
+            "model_flops_per_iteration": flops, "hardware_flops_per_iteration": executed,
             "bubble": bubble, "time_sharing": share, "pace": stretch / share, "step_s": step, "tokens_per_s": global_batch * model.seq_len / step,
             "mfu": flops / (step * device.peak_flops * devices), "stages": stages,
             "fits": all(s["total_peak"] <= device.memory_bytes for s in stages)}
 
 
 def microbatch_work(model, parallel, train, rank: Rank) -> Work:
-    """What one micro-batch costs this rank: its blocks, and the embedding or the head
-    when its stage has them (all its virtual chunks together)."""
+    """What one micro-batch costs this rank: its blocks (an MoE block's experts over its
+    kept rows under balanced routing), and the embedding or the head when its stage has
+    them (all its virtual chunks together)."""
     B, T, C = train.micro_batch_size, model.seq_len // rank.cp, model.d_model
     vocab = pad_to_multiple(model.vocab_size, rank.tp) // rank.tp
+    blocks = rank.blocks(model.n_layers)
     work = block_work(B, T, C, model.n_heads, rank.tp, rank.cp, parallel.sequence_parallel,
-                      parallel.recompute).scaled(model.n_layers // rank.pp)
+                      parallel.recompute).scaled(len(blocks))
+    if model.num_experts:           # an MoE block's experts and router in place of its dense MLP
+        work += moe_block_work(model, B, rank.cp, rank.tp, parallel.recompute).scaled(sum(map(model.is_moe_block, blocks)))
     if rank.first:
         work += embedding_work(B, T, C, vocab)
     if rank.last:
@@ -164,6 +174,8 @@ def sync_points(model, parallel, rank: Rank) -> tuple[int, int]:
         per_mb += L * ((rank.cp - 1) * (1 + full) + 2 * rank.cp - 1)
     if rank.pp > 1:
         per_mb += 2 * rank.pipeline_messages()
+    if rank.ep > 1:                  # the counts' all-to-all and four all_to_allv a forward and backward
+        per_mb += sum(map(model.is_moe_block, rank.blocks(model.n_layers))) * (5 + 3 * full)
     per_step = (2 if rank.dp * rank.cp > 1 else 0) + (1 if rank.tp * rank.pp > 1 or parallel.zero_stage else 0) \
         + (1 + (rank.first != rank.last) if rank.pp > 1 else 0)        # the loss; the tied embedding
     return per_mb, per_step
@@ -182,11 +194,17 @@ def mesh_sizes(mesh) -> tuple[int, int, int, int, int]:
     return tp, pp, dp, cp, (shard[0] if shard and shard[0] else dp)
 
 
+def expert_size(mesh) -> int:
+    """ep of a mesh given with it after S (1 otherwise)."""
+    return mesh[5] if len(mesh) > 5 else 1
+
+
 def link_tier(kind: str, mesh, device) -> str:
     """"intra" when every group of this kind's communicator lies on one host, else "inter"."""
     tp, pp, dp, cp, S = mesh_sizes(mesh)
     span = {"tp": tp, "cp": tp * cp, "dp_cp": tp * cp * dp, "dp_shard": tp * cp * S,
-            "dp_replica": tp * cp * dp}.get(kind.split(".")[0], tp * cp * dp * pp)
+            "dp_replica": tp * cp * dp, "ep": tp * expert_size(mesh), "expert_dp": tp * cp * dp,
+            "expert_dp_shard": tp * cp * S}.get(kind.split(".")[0], tp * cp * dp * pp)
     host = device.host_size()
     return "intra" if span <= host and host % span == 0 or span == 1 else "inter"
 
@@ -202,8 +220,10 @@ def groups_across_hosts(mesh, device) -> list[str]:
 def group_size(kind: str, mesh) -> int:
     """Ranks of the communicator a collective kind runs on."""
     tp, pp, dp, cp, S = mesh_sizes(mesh)
+    ep = expert_size(mesh)
     return {"tp": tp, "cp": cp, "dp_cp": dp * cp, "dp_shard": S * cp, "dp_replica": dp // S, "pp": pp,
-            "embedding": 2, "model": tp * pp, "dp_shard_model": tp * cp * pp * S}.get(kind.split(".")[0], tp * pp * dp * cp)
+            "embedding": 2, "model": tp * pp, "dp_shard_model": tp * cp * pp * S, "ep": ep,
+            "expert_dp": dp * cp // ep, "expert_dp_shard": max(S * cp // ep, 1), "expert_model": tp * pp * ep}.get(kind.split(".")[0], tp * pp * dp * cp)
 
 
 def messages(kind: str, ranks: int) -> int:
@@ -233,7 +253,8 @@ def _link_time(kind: str, nbytes: float, calls: int, mesh, device) -> float:
     if link_tier(kind, mesh, device) == "intra":
         return calls * messages(kind, size) * device.intra_latency + nbytes / device.intra_bandwidth
     tp, pp, dp, cp, S = mesh_sizes(mesh)
-    stride = {"tp": 1, "cp": tp, "dp_cp": tp, "dp_shard": tp, "dp_replica": tp * cp * S}.get(group)
+    stride = {"tp": 1, "cp": tp, "dp_cp": tp, "dp_shard": tp, "dp_replica": tp * cp * S, "ep": tp,
+              "expert_dp": tp * expert_size(mesh), "expert_dp_shard": tp * expert_size(mesh)}.get(group)
     per_host = max(1, min(size, device.host_size() // stride)) if stride else 1     # the group's ranks on one host
     hosts = size // per_host
     if kind.endswith(("send", "recv", "broadcast", "all_to_all")) or per_host == 1:    # and pp, model, world
