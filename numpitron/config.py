@@ -207,9 +207,6 @@ class TrainConfig:
         if self.min_lr > self.lr:
             raise UserError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         check_precision(self.precision, "float32", self.loss_scale, self.loss_scale_window)
-        if self.optimizer == "muon" and self.precision != "fp32":
-            raise UserError(f"--optimizer muon keeps no fp32 master weights yet: use --precision fp32 with it "
-                            f"(not {self.precision})")
         return self
 
     def num_microbatches(self, data_parallel: int) -> int:

@@ -12,8 +12,8 @@ OPTIMIZERS = {0: DataParallelOptimizer, 1: ZeroOneOptimizer, 2: ZeroTwoOptimizer
 
 def make_optimizer(store, topo, train_cfg, parallel_cfg, group: GradientGroup | None = None):
     """Built after the model: an optimizer that shards pads the store itself. With
-    --optimizer muon its update rule is Muon's, whatever the ZeRO stage (config.py
-    refuses it with hybrid sharding, the two-level all-reduce and mixed precision)."""
+    --optimizer muon its update rule is Muon's, whatever the ZeRO stage, the precision
+    and the way the gradients are reduced."""
     chosen = OPTIMIZERS[parallel_cfg.zero_stage]
     if parallel_cfg.hierarchical_all_reduce:         # plain dp only (config.py)
         chosen = HierarchicalDataParallelOptimizer

@@ -20,7 +20,7 @@ from numpitron.nn.activation_memory import block_activation_bytes
 from numpitron.nn.block import Block
 from numpitron.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from numpitron.nn.head import LanguageModelHead
-from numpitron.optim.muon import is_hidden_matrix
+from numpitron.optim.muon import is_hidden_matrix, matrix_shape
 from numpitron.parallel.schedules import BACKWARD, FORWARD, WEIGHT_GRAD, make_schedule, placement_of
 
 F64 = 8          # the loss and the squared gradient norm travel as one float64
@@ -37,12 +37,13 @@ class Rank:
     dp_rank: int = 0               # only ZeRO-3's traffic depends on it (where the slices fall)
     dp_shard: int = 0              # HSDP's S (0: dp): ZeRO shards over cp x S ranks, dp / S replicas
     placement: StagePlacement | None = None     # None: one stage a rank, in a line
+    tp_rank: int = 0               # only Muon's owners depend on it (plan/muon_cost.py)
 
     @classmethod
     def of(cls, topo, parallel) -> "Rank":
         """This process's rank, its virtual stages placed as `parallel`'s schedule places them."""
         return cls(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank, topo.cp_rank, topo.dp_rank, topo.dp_shard,
-                   placement_of(parallel.schedule, topo.pp, parallel.virtual_stages))
+                   placement_of(parallel.schedule, topo.pp, parallel.virtual_stages), topo.tp_rank)
 
     @property
     def stages(self) -> StagePlacement:
@@ -146,29 +147,31 @@ def block_elements(model, tp: int) -> int:
 @cache
 def block_matrix_spans(model, tp: int) -> tuple[int, tuple]:
     """A block's elements on one tp rank, and the [start, stop) within it of each matrix
-    Muon updates (optim/muon.py: `is_hidden_matrix`), in the order of the flat buffer."""
+    Muon updates (optim/muon.py: `is_hidden_matrix`), in the order of the flat buffer,
+    with the matrix's whole (A, B) shape."""
     block, spans, offset = Block("blocks.0", model.d_model, model.n_heads, model.n_layers, Topology(None, tp, 1, 1)), [], 0
     for p in block.parameters():
         n = math.prod(p.local_shape)
         if is_hidden_matrix(p):
-            spans.append((offset, offset + n))
+            spans.append((offset, offset + n, matrix_shape(p)))
         offset += n
     return offset, tuple(spans)
 
 
-def muon_elements(model, rank: Rank, lo: int, hi: int) -> int:
-    """Elements of Muon's matrices inside [lo, hi) of this rank's stage: the stage's
-    flat buffer is the token embedding (first and last stage), the positions (first),
-    then the blocks, then ln_f (last)."""
+def stage_matrices(model, rank: Rank) -> list[tuple[int, int, tuple]]:
+    """Muon's matrices in this rank's stage's flat buffer, as (start, stop, shape): the
+    buffer is the token embedding (first and last stage), the positions (first), then
+    the blocks, then ln_f (last)."""
     layers = layer_elements(model, rank.tp)
     start = layers["token"][0] * (rank.first or rank.last) + layers["position"][0] * rank.first
     block, spans = block_matrix_spans(model, rank.tp)
-    inside = 0
-    for k in range(model.n_layers // rank.pp):
-        for a, b in spans:
-            a, b = start + k * block + a, start + k * block + b
-            inside += max(0, min(b, hi) - max(a, lo))
-    return inside
+    return [(start + k * block + a, start + k * block + b, shape)
+            for k in range(model.n_layers // rank.pp) for a, b, shape in spans]
+
+
+def muon_elements(model, rank: Rank, lo: int, hi: int) -> int:
+    """Elements of Muon's matrices inside [lo, hi) of this rank's stage."""
+    return sum(max(0, min(b, hi) - max(a, lo)) for a, b, _ in stage_matrices(model, rank))
 
 
 def optimizer_state_elements(model, rank: Rank, lo: int, hi: int, optimizer: str) -> int:

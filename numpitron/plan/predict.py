@@ -10,7 +10,9 @@ micro-batch at a time, priced by the device profile (devices.py):
 * exponentials: exp_time per element (arithmetic-bound on a CPU, 0 on a GPU);
 * calls: call_time per NumPy call (0 on a GPU, whose launches are asynchronous);
 * AdamW: its passes over the elements the rank updates, and the norm, clipping and
-  zeroing over its gradient buffer, priced the same way.
+  zeroing over its gradient buffer, priced the same way;
+* Muon (muon_cost.py): the busiest owner's Newton-Schulz products, which every rank
+  waits for in the scatter, and the owners' gathers and scatters, all exposed.
 
 Collectives: for each kind, its bytes at its tier's bandwidth plus a latency. Ranks fill
 hosts in order (devices.Device.host_size), so a group of consecutive ranks stays on one
@@ -41,6 +43,7 @@ from numpitron.parallel.schedules import ideal_bubble, placement_of
 from numpitron.plan.accounting import Rank, comm_bytes, parameter_elements, peak_activation_bytes, state_bytes
 from numpitron.plan.flops import hardware_flops, model_flops
 from numpitron.plan.kernels import Work, block_work, embedding_work, head_work, optimizer_work
+from numpitron.plan.muon_cost import muon_cost, newton_schulz_work
 
 
 def plan(model, parallel, train, mesh, device) -> dict:
@@ -62,7 +65,8 @@ def plan(model, parallel, train, mesh, device) -> dict:
     placement = placement_of(parallel.schedule, pp, parallel.virtual_stages)
     for stage in range(pp):
         rank = Rank(tp, pp, dp, cp, stage, cp_rank=cp - 1, dp_shard=S, placement=placement)   # the ring's busiest rank
-        state = state_bytes(model, parallel, rank)
+        state = state_bytes(model, parallel, rank, train.optimizer)
+        muon = muon_cost(model, parallel, rank) if train.optimizer == "muon" else {"comm_bytes": {}, "busiest_shapes": []}
         if device.bytes_per_parameter:                            # mixed precision on paper
             params = state["params"] // model.itemsize
             in_pass = {k: state[k] // model.itemsize * 2
@@ -71,33 +75,41 @@ def plan(model, parallel, train, mesh, device) -> dict:
                      "optimizer_state": (device.bytes_per_parameter - 4) * params // (rank.shard_group if parallel.zero_stage else 1)}
         activations = scale * peak_activation_bytes(model, parallel, train, rank)
         comm = {kind: scale * nbytes for kind, nbytes in comm_bytes(model, parallel, train, rank).items()}
+        muon_comm = {kind: scale * nbytes for kind, nbytes in muon["comm_bytes"].items()}
         per_mb = price(microbatch_work(model, parallel, train, rank), device, itemsize)
         # On a cluster a rank waiting for a link gives its core away, so time-sharing
         # does not stretch link time (on one CPU node a "link" is a copy a core makes).
         on_links = share if device.ranks_per_host else 1.0
         t_comm = {kind: _link_time(kind, nbytes, mesh, device) / on_links for kind, nbytes in comm.items()}
+        t_muon_comm = {kind: _link_time(kind, nbytes, mesh, device) / on_links for kind, nbytes in muon_comm.items()}
         tiers = {}
-        for kind, nbytes in comm.items():
-            tier = tiers.setdefault(link_tier(kind, mesh, device), {"bytes": 0.0, "seconds": 0.0})
-            tier["bytes"] += nbytes
-            tier["seconds"] += t_comm[kind]
+        for moved, seconds in ((comm, t_comm), (muon_comm, t_muon_comm)):
+            for kind, nbytes in moved.items():
+                tier = tiers.setdefault(link_tier(kind, mesh, device), {"bytes": 0.0, "seconds": 0.0})
+                tier["bytes"] += nbytes
+                tier["seconds"] += seconds[kind]
         exposed_per_mb = sum(t for kind, t in t_comm.items() if kind.split(".")[0] in ("tp", "cp", "pp")) / m
         t_adam = sum(price(step_work(model, parallel, rank), device, itemsize).values())
+        t_muon = sum(price(newton_schulz_work(muon["busiest_shapes"]), device, itemsize).values())
         dp_time = sum(t for kind, t in t_comm.items() if kind.startswith(("dp_cp.", "dp_shard.", "dp_replica.")))
         buckets = max(1, -(-state["grads"] // (parallel.bucket_size * 4)))
         overlapped = parallel.zero_stage in (0, 2) and parallel.overlap_grad_reduce and not parallel.hierarchical_all_reduce
-        exposed_dp = dp_time / buckets if overlapped else dp_time
+        exposed_dp = (dp_time / buckets if overlapped else dp_time) + sum(t_muon_comm.values())
         if share > 1:                      # each blocking collective waits for a peer to be scheduled
             per_mb_syncs, step_syncs = sync_points(model, parallel, rank)
             exposed_per_mb += per_mb_syncs * device.time_sharing_wait / stretch
             exposed_dp += step_syncs * device.time_sharing_wait / stretch
         compute_per_mb = sum(per_mb.values())
-        step = stretch * (m * (compute_per_mb + exposed_per_mb) / (1 - bubble) + t_adam + exposed_dp)
+        step = stretch * (m * (compute_per_mb + exposed_per_mb) / (1 - bubble) + t_adam + t_muon + exposed_dp)
+        for kind, nbytes in muon_comm.items():
+            comm[kind] = comm.get(kind, 0.0) + nbytes
         stages.append({"stage": stage, **state, "activations_peak": activations,
                        "total_peak": sum(state.values()) + activations, "comm_bytes": comm, "tiers": tiers,
+                       **({"newton_schulz": {k: muon[k] for k in ("owner_flops", "flops_total", "imbalance")}}
+                          if "owner_flops" in muon else {}),
                        "time_s": {**{kind: stretch * m * t for kind, t in per_mb.items()},
                                   "exposed_comm": stretch * (m * exposed_per_mb + exposed_dp),
-                                  "optimizer": stretch * t_adam, "bubble": stretch * m * (compute_per_mb + exposed_per_mb)
+                                  "optimizer": stretch * t_adam, "newton_schulz": stretch * t_muon, "bubble": stretch * m * (compute_per_mb + exposed_per_mb)
                                   * bubble / (1 - bubble), "step": step}})
     step = max(s["time_s"]["step"] for s in stages)
     flops = model_flops(*args)
