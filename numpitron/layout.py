@@ -64,9 +64,6 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
                 and train.rampup_batch_size[0] // (train.micro_batch_size * data) < 2 * pipeline - 1:
             raise UserError(f"--rampup-batch-size: the {parallel.schedule} schedule needs at least {2 * pipeline - 1} "
                             f"micro-batches per step from the first one on; raise the ramp's start")
-        if train.rampup_batch_size and model.num_experts:
-            raise UserError("--rampup-batch-size changes the micro-batch count, which mixture-of-experts layers fix "
-                            "when they are built (their aux loss's weight); not combined yet")
 
 
 def _check_experts(model: ModelConfig, parallel, data: int, context: int, expert: int) -> None:
