@@ -168,11 +168,35 @@ def routing(data_dir: Path, iters: int) -> dict:
         return run_json(launch(1, "benchmarks/experts.py", ["routing", str(Path(tmp) / "metrics.jsonl")]))
 
 
+def race(plt) -> dict:
+    """Validation loss against wall time since launch, each program and round of the
+    race to 1.80 (docs/16), from the race's own run: benchmarks/race.py writes
+    docs/figures/race.json (`--out`), which takes tens of minutes on two cores, so this
+    draws the stored run rather than racing again."""
+    runs = json.loads((FIGURES / "race.json").read_text())
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    colours = {"numpitron": "#4c78a8", "pytorch": "#e45756"}
+    for name in ("numpitron", "pytorch"):
+        for round_, run in enumerate(runs[name]):
+            points = [(e["seconds"], e["val"]) for e in run["evals"]]
+            label = f"{name} (Muon, dp = 2)" if name == "numpitron" else f"{name} (AdamW, 2 threads)"
+            ax.plot(*zip(*points), "o-" if round_ == 0 else "s--", color=colours[name], ms=3, lw=1.2,
+                    label=f"{label}, round {round_ + 1}" + (" (cut short)" if run.get("running") else ""))
+    ax.axhline(runs["target"], color="k", lw=0.8, ls=":")
+    ax.set(xlabel="seconds since launch (evaluations included)", ylabel="validation loss",
+           title=f"The race to val {runs['target']:.2f} on two cores")
+    ax.legend(fontsize=7)
+    caption(ax, "python benchmarks/race.py --torch-python ... --rounds 2 --stop-at-target --out docs/figures/race.json "
+                "(a shared machine: see the load average in race.json)")
+    fig.savefig(FIGURES / "race.svg", bbox_inches="tight")
+    return {name: [run.get("seconds_to_target") for run in runs[name]] for name in ("numpitron", "pytorch")}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data-dir", default="data")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", choices=["memory_zero"], help="make this figure alone (figures.json keeps the rest)")
+    p.add_argument("--only", choices=["memory_zero", "race"], help="make this figure alone (figures.json keeps the rest)")
     args = p.parse_args()
     import matplotlib
     matplotlib.use("svg")
@@ -180,7 +204,7 @@ def main():
     FIGURES.mkdir(parents=True, exist_ok=True)
     if args.only:
         data = json.loads((FIGURES / "figures.json").read_text())
-        data[args.only] = {"memory_zero": memory}[args.only](plt)
+        data[args.only] = {"memory_zero": memory, "race": race}[args.only](plt)
         (FIGURES / "figures.json").write_text(json.dumps(data, indent=1) + "\n")
         return
     iters = 5 if args.quick else 20
@@ -192,6 +216,7 @@ def main():
                    check=True, cwd=REPO, capture_output=True)
     data["context_parallel_blocks"] = context_parallel_blocks()
     data["routing"] = routing(Path(args.data_dir).resolve(), 200 if args.quick else 2000)
+    data["race"] = race(plt)
     (FIGURES / "figures.json").write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {', '.join(sorted(p.name for p in FIGURES.glob('*.svg')))} and figures.json in {FIGURES}")
 
