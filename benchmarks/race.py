@@ -88,6 +88,7 @@ def main():
     p.add_argument("--iters", type=int, default=0, help="override both runs' iterations (0: the recipes')")
     p.add_argument("--eval-interval", type=int, default=0, help="override both runs' evaluation interval")
     p.add_argument("--out", help="also write the JSON here, after every run")
+    p.add_argument("--first", choices=["numpitron", "pytorch"], default="numpitron", help="who runs first in round 1")
     p.add_argument("--stop-at-target", action="store_true", help="stop each program when it reaches the target")
     args = p.parse_args()
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
@@ -95,7 +96,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="race-") as tmp:
         cmds = commands(args, Path(tmp) / "numpitron")
         for round_ in range(args.rounds):
-            order = ["numpitron", "pytorch"] if round_ % 2 == 0 else ["pytorch", "numpitron"]
+            order = ["numpitron", "pytorch"] if (round_ + (args.first == "pytorch")) % 2 == 0 else ["pytorch", "numpitron"]
             for name in order:
                 def progress(evals, name=name):        # a run cut short still leaves its curve
                     if args.out:
