@@ -314,6 +314,30 @@ def draw_precision_drift(plt, results: dict) -> None:
     fig.savefig(FIGURES / "precision_drift.svg", bbox_inches="tight")
 
 
+def race(plt) -> dict:
+    """Validation loss against wall time since launch, each program and round of the
+    race to 1.80 (docs/16), from the race's own run: benchmarks/race.py writes
+    docs/figures/race.json (`--out`), which takes tens of minutes on two cores, so this
+    draws the stored run rather than racing again."""
+    runs = json.loads((FIGURES / "race.json").read_text())
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    colours = {"numpitron": "#4c78a8", "pytorch": "#e45756"}
+    for name in ("numpitron", "pytorch"):
+        for round_, run in enumerate(runs[name]):
+            points = [(e["seconds"], e["val"]) for e in run["evals"]]
+            label = f"{name} (Muon, dp = 2)" if name == "numpitron" else f"{name} (AdamW, 2 threads)"
+            ax.plot(*zip(*points), "o-" if round_ == 0 else "s--", color=colours[name], ms=3, lw=1.2,
+                    label=f"{label}, round {round_ + 1}" + (" (cut short)" if run.get("running") else ""))
+    ax.axhline(runs["target"], color="k", lw=0.8, ls=":")
+    ax.set(xlabel="seconds since launch (evaluations included)", ylabel="validation loss",
+           title=f"The race to val {runs['target']:.2f} on two cores")
+    ax.legend(fontsize=7)
+    caption(ax, "python benchmarks/race.py --torch-python ... --rounds 2 --stop-at-target --out docs/figures/race.json "
+                "(a shared machine: see the load average in race.json)")
+    fig.savefig(FIGURES / "race.svg", bbox_inches="tight")
+    return {name: [run.get("seconds_to_target") for run in runs[name]] for name in ("numpitron", "pytorch")}
+
+
 # The figures that can be made alone (`--only NAME`), each from (plt, data_dir, iters):
 ALONE = {
     "memory_zero": lambda plt, data_dir, iters: memory(plt),
@@ -323,6 +347,7 @@ ALONE = {
     "cluster_rates": lambda plt, data_dir, iters: cluster_rates(plt),
     "precision_drift": lambda plt, data_dir, iters: precision_drift(plt, data_dir, 200),
     "hsdp_rates": lambda plt, data_dir, iters: hsdp_rates(plt),
+    "race": lambda plt, data_dir, iters: race(plt),
 }
 
 
@@ -361,6 +386,7 @@ def main():
     data["experts_compare"] = experts_compare(Path(args.data_dir).resolve(), 40 if args.quick else 300)
     data["cluster_rates"] = cluster_rates(plt)
     data["precision_drift"] = precision_drift(plt, Path(args.data_dir).resolve(), 20 if args.quick else 200)
+    data["race"] = race(plt)
     (FIGURES / "figures.json").write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {', '.join(sorted(p.name for p in FIGURES.glob('*.svg')))} and figures.json in {FIGURES}")
 

@@ -211,9 +211,6 @@ class TrainConfig:
         if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
             raise UserError(f"unknown --grad-reduce-dtype {self.grad_reduce_dtype!r}; choose one of "
                             f"{', '.join(GRAD_REDUCE_DTYPES)}")
-        if self.optimizer == "muon" and self.precision != "fp32":
-            raise UserError(f"--optimizer muon keeps no fp32 master weights yet: use --precision fp32 with it "
-                            f"(not {self.precision})")
         return self
 
     def num_microbatches(self, data_parallel: int) -> int:

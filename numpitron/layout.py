@@ -7,16 +7,6 @@ from numpitron.errors import UserError
 from numpitron.precision import check_precision
 
 
-def _check_muon(parallel, data: int, data_shard: int) -> None:
-    """Muon gathers each matrix over the whole ZeRO group (parallel/muon_owners.py); it is
-    not yet wired to hybrid sharding's smaller group nor to the two-level all-reduce."""
-    if data_shard and data_shard < data:
-        raise UserError(f"--optimizer muon does not yet run with hybrid sharding: drop --data-parallel-shard-size "
-                        f"({data_shard} < dp {data}) or use --optimizer adamw")
-    if parallel is not None and parallel.hierarchical_all_reduce:
-        raise UserError("--optimizer muon does not yet run with --hierarchical-all-reduce; use one or the other")
-
-
 def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
     """Everything that must divide for this model to run on a mesh (tp, pp, dp, cp):
     checked identically on every rank before any communication. `mesh` is a Mesh
@@ -26,8 +16,6 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
         check_precision(train.precision, model.dtype, train.loss_scale, train.loss_scale_window)
     _check_experts(model, parallel, data, context, expert=rest[0] if rest else 1,
                    data_shard=rest[1] if len(rest) > 1 and rest[1] else data)
-    if train is not None and train.optimizer == "muon":
-        _check_muon(parallel, data, rest[1] if len(rest) > 1 else 0)
     if parallel is not None and parallel.sequence_parallel:
         if tensor == 1:
             raise UserError("--sequence-parallel splits the sequence over tensor-parallel ranks: it needs "
@@ -74,9 +62,6 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
                 and train.rampup_batch_size[0] // (train.micro_batch_size * data) < 2 * pipeline - 1:
             raise UserError(f"--rampup-batch-size: the {parallel.schedule} schedule needs at least {2 * pipeline - 1} "
                             f"micro-batches per step from the first one on; raise the ramp's start")
-        if train.rampup_batch_size and model.num_experts:
-            raise UserError("--rampup-batch-size changes the micro-batch count, which mixture-of-experts layers fix "
-                            "when they are built (their aux loss's weight); not combined yet")
 
 
 def _check_experts(model: ModelConfig, parallel, data: int, context: int, expert: int, data_shard: int) -> None:

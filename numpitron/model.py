@@ -121,6 +121,20 @@ class GPTStage(Layer):
         for store in self.stores:
             store.initialize(seed)
 
+    @property
+    def loss_weight(self) -> float:
+        return self._loss_weight
+
+    @loss_weight.setter
+    def loss_weight(self, weight: float) -> None:
+        """The weight of each micro-batch's loss, 1/m. A ramp-up (--rampup-batch-size)
+        changes m from step to step, so every MoE router, which scales its aux loss's
+        gradient by the same weight, follows it."""
+        self._loss_weight = weight
+        for block in getattr(self, "blocks", []):
+            if isinstance(block.mlp, MixtureOfExperts):
+                block.mlp.router.loss_weight = weight
+
     def _summed_in_finalize(self, params) -> list:
         """The parameters whose gradients are final only after `finalize_grads`: the tied
         embedding (summed over its copies) and, with sequence parallelism, the

@@ -107,17 +107,3 @@ def test_bad_muon_flags_are_one_line(flags, message, data_dir, tmp_path):
     assert result.returncode != 0
     lines = error_lines(result.stderr)
     assert len(lines) == 1 and message in lines[0], result.stderr
-
-
-def test_combinations_muon_does_not_run_yet_are_one_line_each():
-    from numpitron.config import ModelConfig, ParallelConfig
-    from numpitron.layout import check_layout
-    from numpitron.distributed.topology import resolve_mesh
-    muon, model = TrainConfig(optimizer="muon").validate(), ModelConfig(**SMALLER)
-    with pytest.raises(UserError, match="--optimizer muon keeps no fp32 master weights yet"):
-        TrainConfig(optimizer="muon", precision="bf16").validate()
-    with pytest.raises(UserError, match="--optimizer muon does not yet run with hybrid sharding"):
-        check_layout(model, muon, resolve_mesh(4, 1, 1, None, data_shard=2), ParallelConfig(zero_stage=1))
-    with pytest.raises(UserError, match="--optimizer muon does not yet run with --hierarchical-all-reduce"):
-        check_layout(model, muon, resolve_mesh(4, 1, 1, None), ParallelConfig(hierarchical_all_reduce=True))
-    check_layout(model, muon, resolve_mesh(4, 1, 1, None, data_shard=4), ParallelConfig(zero_stage=1))

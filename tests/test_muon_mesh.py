@@ -10,7 +10,10 @@ from numpitron.checkpoint import load_checkpoint, save_checkpoint
 from numpitron.distributed.sharding import pieces_of_range
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
-from tests.harness import SMALLER, check_mesh, make_trainer, mesh_id, tiny_model, tiny_train, tiny_tokens, train_steps
+from numpitron.plan.accounting import Rank, stage_matrices
+from numpitron.plan.muon_cost import muon_cost, newton_schulz_work
+from tests.harness import (SMALLER, assert_on_every_rank, check_mesh, make_trainer, mesh_id, tiny_model, tiny_train,
+                           tiny_tokens, train_steps)
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
 TWO_RANKS = [dict(data=2), dict(tensor=2), dict(pipeline=2, schedule="1f1b"), dict(data=2, zero_stage=1),
@@ -52,19 +55,41 @@ def muon_bytes(trainer) -> float:
 
 
 @pytest.mark.parallel(nprocs=4)
-@pytest.mark.parametrize("zero_stage", [0, 1, 3])
-def test_the_owners_move_the_bytes_of_the_formula(zero_stage):
-    trainer = make_trainer(tiny_model(), tiny_train(optimizer="muon"), tensor=2, data=2, zero_stage=zero_stage)
+@pytest.mark.parametrize("layout", [dict(tensor=2, data=2, zero_stage=0), dict(tensor=2, data=2, zero_stage=1),
+                                    dict(tensor=2, data=2, zero_stage=3), dict(data=4, data_shard=2, zero_stage=1)],
+                         ids=mesh_id)
+def test_the_owners_move_the_bytes_of_the_formula_and_of_the_planner(layout):
+    """Summed over the world: the formula, once per replica (without ZeRO each dp replica
+    of tp ranks orthogonalises for itself, c_k = E_k / tp; under HSDP each replica's S
+    ranks). On every rank: the planner's bytes per kind (plan/muon_cost.py)."""
+    trainer = make_trainer(tiny_model(), tiny_train(optimizer="muon"), **layout)
     trainer.train_step(tiny_tokens())           # the first step allocates what ZeRO-3 gathers
     trainer.topo.stats.reset()
     trainer.train_step(tiny_tokens())
-    moved = sum(trainer.topo.stats.bytes[f"{comm}.{kind}"] for comm in ("tp", "dp_cp") for kind in ("gather", "scatter"))
-    counted = MPI.COMM_WORLD.allreduce(moved)
-    # pp = 1: the world is one ZeRO group of tp x dp ranks, or without ZeRO dp replicas
-    # of tp ranks, each orthogonalising for itself (no ZeRO hop: c_k = E_k / tp).
+    moved = {kind: trainer.topo.stats.bytes[kind] for comm in ("tp", "dp_shard", "dp_cp", "dp_replica")
+             for kind in (f"{comm}.gather", f"{comm}.scatter") if trainer.topo.stats.bytes[kind]}
     owners = trainer.optimizer.adam.orthogonalise
     expected = muon_bytes(trainer) * (trainer.topo.dp_cp // owners.shards.size)
-    assert counted == expected and expected > 0, (counted, expected)
+    planned = muon_cost(trainer.model_cfg, trainer.parallel_cfg, Rank.of(trainer.topo, trainer.parallel_cfg))
+    assert_on_every_rank({"formula": (MPI.COMM_WORLD.allreduce(sum(moved.values())), expected),
+                          "planner": (moved, planned["comm_bytes"]), "moves some": expected > 0})
+
+
+def test_the_planner_counts_newton_schulz_flops_by_the_formula():
+    """A block's four matrices are C x 3C, C x C, C x 4C and 4C x C: with m = C, five
+    steps of 4 m^2 n + 2 m^3 FLOPs give 5 (14 + 6 + 18 + 18) C^3 = 280 C^3 a block
+    (docs/12); the owners split them, and the priced BLAS calls count as many."""
+    from numpitron.config import ModelConfig, ParallelConfig
+    for model, layout in ((tiny_model(), dict(tp=1, dp=1)), (ModelConfig().validate(), dict(tp=1, dp=2)),
+                          (tiny_model(n_layers=3), dict(tp=2, dp=2))):
+        rank = Rank(layout["tp"], 1, layout["dp"], 1)
+        cost = muon_cost(model, ParallelConfig(zero_stage=1), rank)
+        formula = 280 * model.d_model ** 3 * model.n_layers
+        shapes = [shape for _, _, shape in stage_matrices(model, rank)]
+        assert cost["flops_total"] == sum(cost["owner_flops"]) == formula == newton_schulz_work(shapes).flops
+        assert len(cost["owner_flops"]) == layout["tp"] * layout["dp"]
+        assert cost["imbalance"] == max(cost["owner_flops"]) / (formula / len(cost["owner_flops"])) >= 1
+    assert 280 * 128 ** 3 * 4 == 2_348_810_240                      # the default model: 2.35 GFLOP a step
 
 
 MODEL = tiny_model(**SMALLER)
@@ -111,8 +136,7 @@ def test_a_checkpoint_resumes_only_with_its_own_optimizer(shared_dir):
 def test_the_planner_counts_muons_state_to_the_byte(layout):
     """One moment on the matrices' elements of a rank's slice, two on the rest."""
     from numpitron.optim.memory_report import memory_bytes
-    from numpitron.plan.accounting import Rank, state_bytes
-    from tests.harness import assert_on_every_rank
+    from numpitron.plan.accounting import state_bytes
     trainer = make_trainer(tiny_model(), tiny_train(optimizer="muon"), **layout)
     trainer.train_step(tiny_tokens())           # ZeRO-3's peaks are those of a step
     topo = trainer.topo

@@ -392,7 +392,7 @@ def test_a_slow_link_exposes_what_it_cannot_carry_during_the_backward():
     assert stage["time_s"]["exposed_comm"] == pytest.approx(result["pace"] * link - 2 / 3 * compute)
 
 
-# Experts (docs/14-experts.md): a capacity every expert fills (c = 0.25: 2 of a sequence's
+# Experts (docs/11-experts.md): a capacity every expert fills (c = 0.25: 2 of a sequence's
 # 8 choices an expert draws on average) fixes the rows the all-to-alls carry, so the planned
 # bytes are the counted ones whatever the routing; dropless, the plan is the balanced ideal.
 CAPPED = dict(num_experts=4, moe_top_k=2, moe_capacity_factor=0.25)

@@ -49,6 +49,16 @@ def test_pipeline_with_data_parallel_and_muon_ramps_like_one_process():
 
 
 @pytest.mark.parallel(nprocs=2)
+def test_experts_ramp_like_one_process_and_their_routers_follow_the_loss_weight():
+    result = check_mesh(dict(data=2, expert=2), model=dict(num_experts=2, moe_top_k=1), **RAMP)
+    trainer = result.trainer
+    routers = [block.mlp.router for block in trainer.model.blocks]
+    assert trainer.num_microbatches == 3 and all(r.loss_weight == 1 / 3 for r in routers)     # batch 12 over dp 2
+    trainer.set_batch(0)
+    assert trainer.num_microbatches == 1 and all(r.loss_weight == 1.0 for r in routers)      # batch 4
+
+
+@pytest.mark.parallel(nprocs=2)
 def test_a_run_resumes_mid_ramp_on_another_mesh(shared_dir):
     model, cfg = tiny_model(**SMALLER), tiny_train(**RAMP)
     expected = train_steps(make_trainer(model, cfg, Topology.serial()), 8, tiny_tokens())

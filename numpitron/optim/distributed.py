@@ -82,8 +82,12 @@ class DistributedOptimizer:
 
     def use_rule(self, rule) -> None:
         """Replace AdamW by another rule with its interface over the same slice (Muon:
-        parallel/muon_owners.py); the checkpoint layout follows it."""
-        self.adam = self.state.adam = rule
+        parallel/muon_owners.py); the checkpoint layout follows it. A mixed-precision run
+        keeps its fp32 master copy: the new rule moves it."""
+        if self.precision.mixed:
+            self.adam.adam = rule
+        else:
+            self.adam = self.state.adam = rule
 
     @property
     def params(self) -> np.ndarray:

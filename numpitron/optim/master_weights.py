@@ -7,8 +7,10 @@ copy it accumulates until it shows.
 
 `MasterWeightAdam` has AdamW's interface, so every optimizer (ZeRO 0 to 3) keeps its
 update unchanged: it hands over the slice of the low-format parameters it owns, and the
-master copy of that slice is what Adam moves. `step_mixed` is `step_together` with the
-reduced gradients in the low format, unscaled, and checked for overflow.
+master copy of that slice is what the update rule moves. The rule is AdamW, or any rule
+with its interface: Muon (optim/muon.py) keeps its momentum in fp32 and runs Newton-Schulz
+on the fp32 master's gradients, which `step_mixed` has already divided by the loss scale. `step_mixed` is `step_together` with the
+gradients rounded to the low format, unscaled, and checked for overflow.
 """
 
 import math
@@ -41,16 +43,18 @@ class MasterWeightAdam:
     def flat_state(self) -> dict:
         return self.adam.flat_state()
 
-    def load_state(self, m, v, step_count: int) -> None:
-        self.adam.load_state(m, v, step_count)
+    def load_state(self, *buffers_and_step) -> None:
+        """The rule's own buffers (Adam's m and v; Muon's three), then the step count."""
+        self.adam.load_state(*buffers_and_step)
 
     @property
     def state_nbytes(self) -> int:
-        """Adam's two fp32 moments and the fp32 master weights: 12 bytes a parameter."""
+        """The rule's fp32 state and the fp32 master weights: 12 bytes a parameter with
+        Adam's two moments."""
         return self.adam.state_nbytes + self.master.nbytes
 
     def update(self, params, grads, decay_runs, lr: float) -> None:
-        """AdamW on the master copy, then the parameters the layers use are its rounding."""
+        """The rule on the master copy, then the parameters the layers use are its rounding."""
         self.adam.update(self.master, grads, decay_runs, lr)
         params[...] = self.fmt.round(self.master)
 

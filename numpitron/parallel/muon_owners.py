@@ -116,8 +116,11 @@ class MatrixOwners:
 def use_muon(optimizer, topo, train_cfg) -> None:
     """Give a distributed optimizer Muon's update rule in place of AdamW: its slice, its
     tp group, and its ZeRO group when it shards (without ZeRO each replica orthogonalises
-    for itself: its optimizer state is whole already)."""
+    for itself: its optimizer state is whole already). Under hybrid sharding the ZeRO
+    group is the shard group: the slices were averaged over the replicas before the
+    update, so each replica's S ranks own and orthogonalise every matrix between them,
+    the same work in every replica, and no matrix crosses the slow link."""
     store = optimizer.store
-    shards = optimizer.group.comm if optimizer.zero_stage else Comm(None, topo.stats, "none")
+    shards = optimizer.group.shard_comm if optimizer.zero_stage else Comm(None, topo.stats, "none")
     owners = MatrixOwners(store, optimizer.lo, optimizer.hi, topo.tp_comm, shards)
     optimizer.use_rule(Muon(store, optimizer.lo, optimizer.hi, train_cfg, owners.pieces, owners))

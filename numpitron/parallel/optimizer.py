@@ -13,9 +13,8 @@ OPTIMIZERS = {0: DataParallelOptimizer, 1: ZeroOneOptimizer, 2: ZeroTwoOptimizer
 def make_optimizer(store, topo, train_cfg, parallel_cfg, group: GradientGroup | None = None,
                    zero_stage: int | None = None):
     """Built after the model: an optimizer that shards pads the store itself. With
-    --optimizer muon its update rule is Muon's, whatever the ZeRO stage (config.py
-    refuses it with hybrid sharding, the two-level all-reduce and mixed precision).
-    zero_stage: this store's, if not the run's."""
+    --optimizer muon its update rule is Muon's, whatever the ZeRO stage, the precision
+    and the way the gradients are reduced. zero_stage: this store's, if not the run's."""
     chosen = OPTIMIZERS[parallel_cfg.zero_stage if zero_stage is None else zero_stage]
     if parallel_cfg.hierarchical_all_reduce:         # plain dp only (config.py)
         chosen = HierarchicalDataParallelOptimizer

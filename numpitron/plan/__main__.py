@@ -130,6 +130,10 @@ def report(result: dict) -> str:
                      f"optimizer {s['optimizer_state'] / 2**20:.1f} MiB, "
                      f"in-pass {(s['gathered_params_peak'] + s['backward_grads_peak']) / 2**20:.1f} MiB, "
                      f"activations {s['activations_peak'] / 2**20:.1f} MiB (peak total {s['total_peak'] / 2**20:.1f} MiB)")
+        if "newton_schulz" in s:
+            ns = s["newton_schulz"]
+            lines.append(f"    Muon: Newton-Schulz {ns['flops_total']:.3e} FLOPs over {len(ns['owner_flops'])} owners, "
+                         f"busiest {max(ns['owner_flops']):.3e} (x{ns['imbalance']:.2f} the mean)")
         lines.append("    bytes per iteration: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in s["comm_bytes"].items()))
         lines.append("    per tier: " + ", ".join(f"{tier}-host {v['bytes'] / 2**20:.2f} MiB in {1e3 * v['seconds']:.2f} ms"
                                                  for tier, v in sorted(s["tiers"].items()))
@@ -137,7 +141,8 @@ def report(result: dict) -> str:
         lines.append(f"    time: matmul {1e3 * t['matmul']:.1f} ms, element-wise {1e3 * t['elementwise']:.1f} ms, "
                      f"exp {1e3 * t['exp']:.1f} ms, calls {1e3 * t['calls']:.1f} ms, "
                      f"exposed communication {1e3 * t['exposed_comm']:.2f} ms, optimizer {1e3 * t['optimizer']:.2f} ms, "
-                     f"bubble {1e3 * t['bubble']:.1f} ms")
+                     + (f"Newton-Schulz {1e3 * t['newton_schulz']:.1f} ms, " if t["newton_schulz"] else "")
+                     + f"bubble {1e3 * t['bubble']:.1f} ms")
     return "\n".join(lines)
 
 

@@ -34,12 +34,13 @@ class Rank:
     dp_shard: int = 0              # HSDP's S (0: dp): ZeRO shards over cp x S ranks, dp / S replicas
     placement: StagePlacement | None = None     # None: one stage a rank, in a line
     ep: int = 1                    # expert parallelism, carved out of dp x cp
+    tp_rank: int = 0               # only Muon's owners depend on it (plan/muon_cost.py)
 
     @classmethod
     def of(cls, topo, parallel) -> "Rank":
         """This process's rank, its virtual stages placed as `parallel`'s schedule places them."""
         return cls(topo.tp, topo.pp, topo.dp, topo.cp, topo.pp_rank, topo.cp_rank, topo.dp_rank, topo.dp_shard,
-                   placement_of(parallel.schedule, topo.pp, parallel.virtual_stages), topo.ep)
+                   placement_of(parallel.schedule, topo.pp, parallel.virtual_stages), topo.ep, topo.tp_rank)
 
     @property
     def expert_dp(self) -> int:
@@ -139,9 +140,22 @@ def muon_elements(model, rank: Rank, lo: int, hi: int, experts: bool = False) ->
     inside = 0
     for piece in pieces:
         size, matrices = spans[piece]
-        inside += sum(max(0, min(start + b, hi) - max(start + a, lo)) for a, b in matrices)
+        inside += sum(max(0, min(start + b, hi) - max(start + a, lo)) for a, b, _ in matrices)
         start += size
     return inside
+
+
+def stage_matrices(model, rank: Rank) -> list[tuple[int, int, tuple]]:
+    """Muon's matrices in this rank's stage's dense flat buffer, as (start, stop, whole
+    shape): the token embedding (first and last stage), the positions (first), then the
+    blocks, then ln_f (last)."""
+    layers, spans = layer_elements(model, rank.tp), matrix_spans(model, rank.tp)
+    start, out = layers["token"][0] * (rank.first or rank.last) + layers["position"][0] * rank.first, []
+    for b in rank.blocks(model.n_layers):
+        size, matrices = spans[block_piece(model, b)]
+        out += [(start + a, start + z, shape) for a, z, shape in matrices]
+        start += size
+    return out
 
 
 def optimizer_state_elements(model, rank: Rank, lo: int, hi: int, optimizer: str, experts: bool = False) -> int:
@@ -162,7 +176,7 @@ def state_bytes(model, parallel, rank: Rank, optimizer: str = "adamw", precision
     next is prefetched or the last is reduce-scattered; one without overlap). The peak
     is the sum. Mixed precision (docs/16-numbers.md): parameters and gradients in the
     low format, 2 bytes; the optimizer state 12 bytes an element of its slice, the fp32
-    master weights and both fp32 moments (Muon is fp32 only). Experts (docs/14-experts.md):
+    master weights and both fp32 moments (Muon is fp32 only). Experts (docs/11-experts.md):
     a second buffer, E/ep experts of each MoE block, sharded the same way over the
     expert_dp ranks of one replica (cp x S / ep), at stage 2 under ZeRO-3 (parallel/optimizer.py)."""
     fmt = FORMATS[precision]

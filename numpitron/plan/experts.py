@@ -1,4 +1,4 @@
-"""What a mixture-of-experts block adds to a rank's plan (docs/14-experts.md), from the
+"""What a mixture-of-experts block adds to a rank's plan (docs/11-experts.md), from the
 configs alone: the experts' elements, the rows the all-to-alls carry, their FLOPs.
 
 A rank holds E/ep routed experts of each MoE block of its stage, whole (tp splits each

@@ -10,7 +10,9 @@ micro-batch at a time, priced by the device profile (devices.py):
 * exponentials: exp_time per element (arithmetic-bound on a CPU, 0 on a GPU);
 * calls: call_time per NumPy call (0 on a GPU, whose launches are asynchronous);
 * AdamW: its passes over the elements the rank updates, and the norm, clipping and
-  zeroing over its gradient buffer, priced the same way.
+  zeroing over its gradient buffer, priced the same way;
+* Muon (muon_cost.py): the busiest owner's Newton-Schulz products, which every rank
+  waits for in the scatter, and the owners' gathers and scatters, all exposed.
 
 Collectives: for each kind, its bytes at its tier's bandwidth plus, for each call, the
 tier's latency alpha once per message the call's algorithm sends in a row (`messages`:
@@ -52,6 +54,7 @@ from numpitron.plan.experts import moe_block_work, moe_flops_delta
 from numpitron.plan.flops import hardware_flops, model_flops
 from numpitron.precision import FORMATS
 from numpitron.plan.kernels import Work, block_work, embedding_work, head_work, optimizer_work
+from numpitron.plan.muon_cost import muon_cost, newton_schulz_work
 
 
 def plan(model, parallel, train, mesh, device) -> dict:
@@ -77,6 +80,7 @@ def plan(model, parallel, train, mesh, device) -> dict:
     for stage in range(pp):
         rank = Rank(tp, pp, dp, cp, stage, cp_rank=cp - 1, dp_shard=S, placement=placement, ep=ep)  # the ring's busiest
         state = state_bytes(model, parallel, rank, train.optimizer, train.precision)
+        muon = muon_cost(model, parallel, rank) if train.optimizer == "muon" else {"comm_bytes": {}, "busiest_shapes": []}
         if on_paper:                                              # mixed precision on paper
             params = state["params"] // model.itemsize
             in_pass = {k: state[k] // model.itemsize * 2
@@ -86,18 +90,23 @@ def plan(model, parallel, train, mesh, device) -> dict:
         activations = scale * peak_activation_bytes(model, parallel, train, rank)
         comm = {kind: scale * nbytes for kind, nbytes in comm_bytes(model, parallel, train, rank).items()}
         calls = comm_calls(model, parallel, train, rank)
+        muon_comm = {kind: scale * nbytes for kind, nbytes in muon["comm_bytes"].items()}
         per_mb = price(microbatch_work(model, parallel, train, rank), device, itemsize)
         # On a cluster a rank waiting for a link gives its core away, so time-sharing
         # does not stretch link time (on one CPU node a "link" is a copy a core makes).
         on_links = share if device.ranks_per_host else 1.0
         t_comm = {kind: _link_time(kind, nbytes, calls[kind], mesh, device) / on_links for kind, nbytes in comm.items()}
+        # Muon's gathers and scatters: priced as one call a kind (its alpha is not counted per matrix).
+        t_muon_comm = {kind: _link_time(kind, nbytes, 1, mesh, device) / on_links for kind, nbytes in muon_comm.items()}
         tiers = {}
-        for kind, nbytes in comm.items():
-            tier = tiers.setdefault(link_tier(kind, mesh, device), {"bytes": 0.0, "seconds": 0.0})
-            tier["bytes"] += nbytes
-            tier["seconds"] += t_comm[kind]
+        for moved, seconds in ((comm, t_comm), (muon_comm, t_muon_comm)):
+            for kind, nbytes in moved.items():
+                tier = tiers.setdefault(link_tier(kind, mesh, device), {"bytes": 0.0, "seconds": 0.0})
+                tier["bytes"] += nbytes
+                tier["seconds"] += seconds[kind]
         exposed_per_mb = sum(t for kind, t in t_comm.items() if kind.split(".")[0] in ("tp", "cp", "pp", "ep")) / m
         t_adam = sum(price(step_work(model, parallel, rank), device, itemsize).values())
+        t_muon = sum(price(newton_schulz_work(muon["busiest_shapes"]), device, itemsize).values())
         dp_time = sum(t for kind, t in t_comm.items()
                       if kind.startswith(("dp_cp.", "dp_shard.", "dp_replica.", "expert_dp.", "expert_dp_shard.")))
         buckets = gradient_buckets(model, rank, parallel.bucket_size)
@@ -105,6 +114,7 @@ def plan(model, parallel, train, mesh, device) -> dict:
         # Overlapped, the last bucket is exposed, and whatever the link could not carry
         # during the last micro-batch's backward (two thirds of its compute).
         exposed_dp = max(dp_time / buckets, dp_time - 2 / 3 * sum(per_mb.values())) if overlapped else dp_time
+        exposed_dp += sum(t_muon_comm.values())
         if share > 1:                      # each blocking collective waits for a peer to be scheduled
             per_mb_syncs, step_syncs = sync_points(model, parallel, rank)
             exposed_per_mb += per_mb_syncs * device.time_sharing_wait / stretch
@@ -113,12 +123,17 @@ def plan(model, parallel, train, mesh, device) -> dict:
         # A rank idle in the bubble gives its core to the ranks sharing it: with `share`
         # ranks a core the bubble costs only what 1 / (1 - b) exceeds the sharing by.
         idle = busy * (max(share, 1 / (1 - bubble)) / share - 1)
-        step = busy + idle + stretch * (t_adam + exposed_dp)
+        step = busy + idle + stretch * (t_adam + t_muon + exposed_dp)
+        for kind, nbytes in muon_comm.items():
+            comm[kind] = comm.get(kind, 0.0) + nbytes
         stages.append({"stage": stage, **state, "activations_peak": activations,
                        "total_peak": sum(state.values()) + activations, "comm_bytes": comm, "tiers": tiers,
+                       **({"newton_schulz": {k: muon[k] for k in ("owner_flops", "flops_total", "imbalance")}}
+                          if "owner_flops" in muon else {}),
                        "time_s": {**{kind: stretch * m * t for kind, t in per_mb.items()},
                                   "exposed_comm": stretch * (m * exposed_per_mb + exposed_dp),
-                                  "optimizer": stretch * t_adam, "bubble": idle, "step": step}})
+                                  "optimizer": stretch * t_adam, "newton_schulz": stretch * t_muon, "bubble": idle,
+                                  "step": step}})
     step = max(s["time_s"]["step"] for s in stages)
     tokens = global_batch * model.seq_len
     flops = model_flops(*args) + moe_flops_delta(model, tokens)
