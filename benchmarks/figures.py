@@ -333,7 +333,7 @@ def race(plt) -> dict:
            title=f"The race to val {runs['target']:.2f} on two cores")
     ax.legend(fontsize=7)
     caption(ax, "python benchmarks/race.py --torch-python ... --rounds 2 --stop-at-target --out docs/figures/race.json "
-                "(a shared machine: see the load average in race.json)")
+                "(the load average at every evaluation is in race.json)")
     fig.savefig(FIGURES / "race.svg", bbox_inches="tight")
     return {name: [run.get("seconds_to_target") for run in runs[name]] for name in ("numpitron", "pytorch")}
 
