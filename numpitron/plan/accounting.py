@@ -61,11 +61,16 @@ class Rank:
     def expert_shard_rank(self) -> int:
         return self.expert_dp_rank % self.expert_shard_group
 
+    def block_ranges(self, n_layers: int) -> list[tuple[int, int]]:
+        """[first, last + 1) of the blocks of each chunk of this rank's stage, in the order
+        of its flat buffer."""
+        placed = self.stages
+        return [(j * n_layers // placed.stages, (j + 1) * n_layers // placed.stages)
+                for c in range(placed.v) for j in [placed.stage(self.stage, c)]]
+
     def blocks(self, n_layers: int) -> list[int]:
         """The blocks of this rank's stage, in the order of its flat buffer (chunk by chunk)."""
-        placed = self.stages
-        return [i for c in range(placed.v) for j in [placed.stage(self.stage, c)]
-                for i in range(j * n_layers // placed.stages, (j + 1) * n_layers // placed.stages)]
+        return [i for lo, hi in self.block_ranges(n_layers) for i in range(lo, hi)]
 
     @property
     def stages(self) -> StagePlacement:
@@ -118,8 +123,20 @@ def parameter_elements(model, rank: Rank) -> tuple[int, int]:
     one rank holds both, as rank 0 of a V), the positions on the first, ln_f on the last."""
     layers = layer_elements(model, rank.tp)
     copies = {"token": int(rank.first or rank.last), "position": int(rank.first), "head": int(rank.last)}
-    return tuple(sum(count * layers[piece][i] for piece, count in copies.items())
-                 + sum(layers[block_piece(model, b)][i] for b in rank.blocks(model.n_layers)) for i in (0, 1))
+    copies.update(stage_block_counts(model, rank))
+    return tuple(sum(count * layers[piece][i] for piece, count in copies.items() if count) for i in (0, 1))
+
+
+def stage_block_counts(model, rank: Rank) -> dict:
+    """{"block": dense blocks, "moe_block": MoE blocks} of this rank's stage, counted per
+    chunk without listing them (a config read from a file may claim 10^9 layers): block
+    i is an MoE block when i is a multiple of moe_every (config.py's is_moe_block)."""
+    every, counts = (model.moe_every if model.num_experts else 0), {"block": 0, "moe_block": 0}
+    for lo, hi in rank.block_ranges(model.n_layers):
+        moe = (hi + every - 1) // every - (lo + every - 1) // every if every else 0
+        counts["moe_block"] += moe
+        counts["block"] += hi - lo - moe
+    return counts
 
 
 def block_elements(model, rank: Rank) -> list[int]:
@@ -183,12 +200,17 @@ def state_bytes(model, parallel, rank: Rank, optimizer: str = "adamw", precision
     # state_item: bytes per moment element (optimizer_state_elements counts two an element):
     # mixed, (4 master + 4 m + 4 v) / 2.
     items = (fmt.itemsize, 6) if fmt.mixed else (model.itemsize, model.itemsize)
-    size, blocks = parameter_elements(model, rank)[0], block_elements(model, rank)
-    whole = min(2 if parallel.overlap_grad_reduce else 1, len(blocks))      # no prefetch: one at a time
-    gathered = max(sum(blocks[i:i + whole]) for i in range(len(blocks) - whole + 1)) if blocks else 0
+    size, counts, layers = parameter_elements(model, rank)[0], stage_block_counts(model, rank), layer_elements(model, rank.tp)
+    in_blocks = sum(n * layers[piece][0] for piece, n in counts.items() if n)
+    whole = min(2 if parallel.overlap_grad_reduce else 1, sum(counts.values()))   # no prefetch: one at a time
+    if sum(counts.values()) <= 4096:    # the largest `whole` neighbours of the buffer
+        blocks = block_elements(model, rank)
+        gathered = max(sum(blocks[i:i + whole]) for i in range(len(blocks) - whole + 1)) if blocks else 0
+    else:                               # too many to list: `whole` of the largest kind, at most that
+        gathered = whole * max(layers[piece][0] for piece, n in counts.items() if n)
     dense = _buffer_state(size, rank.shard_group, rank.shard_rank, parallel.zero_stage, parallel.hierarchical_all_reduce,
                           items, lambda lo, hi: optimizer_state_elements(model, rank, lo, hi, optimizer),
-                          in_pass=lambda padded: padded - sum(blocks) + gathered)
+                          in_pass=lambda padded: padded - in_blocks + gathered)
     if not model.num_experts:
         return dense
     experts = _buffer_state(expert_elements(model, rank.blocks(model.n_layers), rank.tp, rank.ep),
