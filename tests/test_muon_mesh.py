@@ -10,7 +10,8 @@ from numpitron.checkpoint import load_checkpoint, save_checkpoint
 from numpitron.distributed.sharding import pieces_of_range
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
-from numpitron.plan.accounting import Rank, stage_matrices
+from numpitron.plan.accounting import Rank
+from numpitron.plan.layer_sizes import stage_matrices
 from numpitron.plan.muon_cost import muon_cost, newton_schulz_work
 from tests.harness import (SMALLER, assert_on_every_rank, check_mesh, make_trainer, mesh_id, tiny_model, tiny_train,
                            tiny_tokens, train_steps)

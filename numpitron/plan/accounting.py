@@ -15,7 +15,7 @@ from numpitron.distributed.sharding import pad_to_multiple, pieces_of_range
 from numpitron.distributed.stages import StagePlacement
 from numpitron.plan.collective_bytes import all_reduce_bytes as _all_reduce, half_bytes as _half
 from numpitron.plan.experts import expert_elements, expert_gradient_traffic, moe_traffic
-from numpitron.plan.layer_sizes import block_piece, layer_elements, layer_parameter_sizes, matrix_spans
+from numpitron.plan.layer_sizes import block_piece, layer_elements, layer_parameter_sizes, muon_elements
 from numpitron.precision import FORMATS
 from numpitron.parallel.schedules import placement_of
 
@@ -143,36 +143,6 @@ def block_elements(model, rank: Rank) -> list[int]:
     """Each block of this rank's stage in the dense buffer: the ZeRO-3 units."""
     layers = layer_elements(model, rank.tp)
     return [layers[block_piece(model, b)][0] for b in rank.blocks(model.n_layers)]
-
-
-def muon_elements(model, rank: Rank, lo: int, hi: int, experts: bool = False) -> int:
-    """Elements of Muon's matrices inside [lo, hi) of this rank's stage: the stage's
-    flat buffer is the token embedding (first and last stage), the positions (first),
-    then the blocks, then ln_f (last); the expert buffer, E/ep experts of each MoE block."""
-    layers, spans = layer_elements(model, rank.tp), matrix_spans(model, rank.tp)
-    blocks = rank.blocks(model.n_layers)
-    start = 0 if experts else layers["token"][0] * (rank.first or rank.last) + layers["position"][0] * rank.first
-    pieces = ["expert"] * (sum(map(model.is_moe_block, blocks)) * model.num_experts // rank.ep) if experts \
-        else [block_piece(model, b) for b in blocks]
-    inside = 0
-    for piece in pieces:
-        size, matrices = spans[piece]
-        inside += sum(max(0, min(start + b, hi) - max(start + a, lo)) for a, b, _ in matrices)
-        start += size
-    return inside
-
-
-def stage_matrices(model, rank: Rank) -> list[tuple[int, int, tuple]]:
-    """Muon's matrices in this rank's stage's dense flat buffer, as (start, stop, whole
-    shape): the token embedding (first and last stage), the positions (first), then the
-    blocks, then ln_f (last)."""
-    layers, spans = layer_elements(model, rank.tp), matrix_spans(model, rank.tp)
-    start, out = layers["token"][0] * (rank.first or rank.last) + layers["position"][0] * rank.first, []
-    for b in rank.blocks(model.n_layers):
-        size, matrices = spans[block_piece(model, b)]
-        out += [(start + a, start + z, shape) for a, z, shape in matrices]
-        start += size
-    return out
 
 
 def optimizer_state_elements(model, rank: Rank, lo: int, hi: int, optimizer: str, experts: bool = False) -> int:

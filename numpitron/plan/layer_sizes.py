@@ -60,3 +60,27 @@ def matrix_spans(model, tp: int) -> dict:
             offset += n
         out[piece] = (offset, tuple(spans))
     return out
+
+
+def stage_matrices(model, rank, experts: bool = False) -> list[tuple[int, int, tuple]]:
+    """Muon's matrices in a rank's flat buffer (plan/accounting.py's `Rank`), as (start,
+    stop, whole shape): the dense buffer is the token embedding (first and last stage),
+    the positions (first), then the blocks, then ln_f (last); the expert buffer holds
+    E/ep experts of each MoE block."""
+    layers, spans, blocks = layer_elements(model, rank.tp), matrix_spans(model, rank.tp), rank.blocks(model.n_layers)
+    if experts:
+        start, pieces = 0, ["expert"] * (sum(map(model.is_moe_block, blocks)) * model.num_experts // rank.ep)
+    else:
+        start = layers["token"][0] * (rank.first or rank.last) + layers["position"][0] * rank.first
+        pieces = [block_piece(model, b) for b in blocks]
+    out = []
+    for piece in pieces:
+        size, matrices = spans[piece]
+        out += [(start + a, start + z, shape) for a, z, shape in matrices]
+        start += size
+    return out
+
+
+def muon_elements(model, rank, lo: int, hi: int, experts: bool = False) -> int:
+    """Elements of Muon's matrices inside [lo, hi) of a rank's dense or expert buffer."""
+    return sum(max(0, min(b, hi) - max(a, lo)) for a, b, _ in stage_matrices(model, rank, experts))

@@ -31,8 +31,9 @@ parallel/muon_owners.py, 2 b sum_k [(E_k - tp c_k) + E_k (tp - 1) / tp].
 from numpitron.distributed.sharding import pad_to_multiple, pieces_of_range
 from numpitron.optim.muon import NS_STEPS
 from numpitron.parallel.muon_owners import balanced_owners
-from numpitron.plan.accounting import Rank, parameter_elements, stage_matrices
+from numpitron.plan.accounting import Rank, parameter_elements
 from numpitron.plan.kernels import Work
+from numpitron.plan.layer_sizes import stage_matrices
 
 
 def newton_schulz_flops(shape: tuple[int, int], steps: int = NS_STEPS) -> int:
