@@ -102,11 +102,12 @@ def call_time(world) -> float:
     return step / (microbatch_work(model, parallel, train, rank).calls + step_work(model, parallel, rank).calls)
 
 
-def time_sharing_wait(world) -> float:
-    """Run with more ranks than cores: seconds a pair all-reduce adds between matmuls."""
+def time_sharing_wait(world, elements: int = 98304) -> float:
+    """Run with more ranks than cores: seconds a pair all-reduce of `elements` float32
+    adds between matmuls."""
     pair = world.Split(world.rank // 2, world.rank)
     a = np.random.default_rng(3).standard_normal((256, 256)).astype(np.float32)
-    out, small, reps = np.empty_like(a), np.zeros(98304, np.float32), 40
+    out, small, reps = np.empty_like(a), np.zeros(elements, np.float32), 40
 
     def loop(sync):
         world.Barrier()
@@ -164,8 +165,9 @@ def launch_time_sharing(cores: int) -> float:
 
 def main():
     world = MPI.COMM_WORLD
-    if "--time-sharing" in sys.argv:
-        wait = time_sharing_wait(world)
+    if "--time-sharing" in sys.argv:       # [--pair-elements N]: benchmarks/cluster_layouts.py's 2 (8 bytes)
+        at = sys.argv.index("--pair-elements") + 1 if "--pair-elements" in sys.argv else 0
+        wait = time_sharing_wait(world, int(sys.argv[at]) if at else 98304)
         if world.rank == 0:
             print(wait)
         return

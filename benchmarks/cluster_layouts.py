@@ -66,12 +66,15 @@ def scaled_rates(peak: float) -> tuple[float, float]:
     return A100.intra_bandwidth * ratio, A100.inter_bandwidth * ratio
 
 
-def scaled_cluster(hosts: int, per_host: int, inter: float, intra: float, prefix: str | None = None) -> None:
+def scaled_cluster(hosts: int, per_host: int, inter: float, intra: float, prefix: str | None = None,
+                   mtu: int | None = None) -> None:
     """Bring up (again) a cluster whose every rank has its own link of `intra` bytes/s and
-    whose host links carry `per_host` ranks' worth of `inter` bytes/s each."""
+    whose host links carry `per_host` ranks' worth of `inter` bytes/s each (frames of
+    `mtu` bytes, or the cluster's default)."""
     cluster("down", prefix=prefix, check=False)
     cluster("up", "--hosts", str(hosts), "--ranks-per-host", str(per_host), "--inter-host-rate",
-            f"{8 * inter * per_host / 1e3:.0f}kbit", "--intra-host-rate", f"{8 * intra / 1e3:.0f}kbit", prefix=prefix)
+            f"{8 * inter * per_host / 1e3:.0f}kbit", "--intra-host-rate", f"{8 * intra / 1e3:.0f}kbit",
+            *(["--mtu", str(mtu)] if mtu else []), prefix=prefix)
 
 
 SWEEP = [8 << s for s in range(0, 16, 3)] + [1 << 20]     # 8 B .. 1 MiB: the latency's end to the bandwidth's
@@ -104,6 +107,29 @@ def link_fit(per_host: int, prefix: str | None = None) -> tuple[float, float]:
                   prefix=prefix)
     seconds = json.loads(out.strip().splitlines()[-1])
     return fit_link([int(size) for size in seconds], list(seconds.values()))
+
+
+PAIR_ELEMENTS = 2                 # an 8-byte all-reduce: its time on a link is 2 alpha, the rest is waiting
+
+
+def pair_all_reduce_added(prefix: str | None = None) -> float:
+    """Seconds an 8-byte all-reduce between matmuls adds to each rank's loop when the
+    cluster's 4 ranks share the 2 cores in pairs (benchmarks/calibrate.py's
+    --time-sharing, run on the cluster: with 2 ranks a host the pairs are inside hosts,
+    with 1 across them). A message this small costs its link only alpha, so what is
+    left is the wait for the peer to be scheduled (sync_wait)."""
+    out = cluster("run", "-n", "4", "--", sys.executable, "benchmarks/calibrate.py", "--time-sharing",
+                  "--pair-elements", str(PAIR_ELEMENTS), prefix=prefix)
+    return float(out.strip().splitlines()[-1])
+
+
+def sync_wait(row: dict) -> float:
+    """The wait a blocking collective adds for a peer to be scheduled on this cluster
+    (the planner's time_sharing_wait): what the pair's 8-byte all-reduce added, less its
+    time on the pair's tier, 2 alpha + x / beta (devices.fit_link with n = 2)."""
+    tier = "intra" if row["per_host"] > 1 else "inter"
+    transfer = 2 * row[f"alpha_{tier}_s"] + 4 * PAIR_ELEMENTS / row[f"beta_{tier}_bytes_s"]
+    return max(0.0, row["pair_all_reduce_added_s"] - transfer)
 
 
 def latency(per_host: int, prefix: str | None = None) -> float:
@@ -147,13 +173,14 @@ def at_speed(device, measured: dict):
 
 def predict(row: dict, cpu):
     """The planner's step for a measured row (kept in it: predicted_ms, speed, crosses):
-    each tier's fitted alpha; the inter-host tier at its token bucket's rate (a host's
-    ranks share its link, which one rank alone, as in the sweep, does not); the
-    intra-host tier at the lower of its fitted and shaped rate (under load the kernel's
-    TCP, not the token bucket, sets its pace); the compute speed the run measured."""
+    each tier at the alpha and beta its sweep fitted (one rank's card of the inter-host
+    link, which a token bucket lets run a little above its rate after a pause, as it
+    does between a step's messages); the wait for a peer to be scheduled as the cluster
+    measured it (sync_wait); the compute speed the run measured."""
     device = replace(cpu, ranks_per_host=row["per_host"], intra_latency=row["alpha_intra_s"],
-                     inter_latency=row["alpha_inter_s"], inter_bandwidth=row["inter_mbit_s"] * 1e6 / 8,
-                     intra_bandwidth=min(row["beta_intra_bytes_s"], row["intra_mbit_s"] * 1e6 / 8))
+                     time_sharing_wait=sync_wait(row) if "pair_all_reduce_added_s" in row else cpu.time_sharing_wait,
+                     inter_latency=row["alpha_inter_s"], inter_bandwidth=row["beta_inter_bytes_s"],
+                     intra_bandwidth=row["beta_intra_bytes_s"])
     scaled, speed = at_speed(device, {"peak_gflops_per_rank": row["sgemm_gflops_per_rank"]})
     planned = plan_step(row["flags"], scaled)
     row.update(predicted_ms=1e3 * planned["step_s"], speed=speed, crosses=planned["groups_across_hosts"])
@@ -168,7 +195,20 @@ def replan(path: Path) -> None:
     path.write_text(json.dumps(data, indent=1) + "\n")
     for model in sorted({r["model"] for r in data["rows"]}):
         print(f"{model}:")
-        summary([r for r in data["rows"] if r["model"] == model])
+        rows = [r for r in data["rows"] if r["model"] == model]
+        table(rows)
+        summary(rows)
+
+
+def table(rows: list) -> None:
+    """Every row as a Markdown table (benchmarks/README.md keeps it), by placement and rate."""
+    print("| ranks per host | inter-host Mbit/s | tp pp dp cp | crosses hosts | measured ms | predicted ms "
+          "| predicted / measured | A100 predicted ms |")
+    print("| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |")
+    for r in sorted(rows, key=lambda r: (-r["per_host"], r["inter_multiple"], MESHES.index(tuple(r["mesh"])))):
+        print(f"| {r['per_host']} | {r['inter_mbit_s']:.1f} | {' '.join(map(str, r['mesh']))} | "
+              f"{', '.join(r['crosses']) or '-'} | {r['measured_ms']:,.0f} | {r['predicted_ms']:,.0f} | "
+              f"{r['predicted_ms'] / r['measured_ms']:.2f} | {r['a100_ms']:.2f} |")
 
 
 def spearman(a: list, b: list) -> float:
@@ -218,6 +258,7 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None, help="merge the rows into this JSON (docs/figures/cluster_layouts.json)")
     p.add_argument("--prefix", default=PREFIX, help="the cluster's names start with this (default npt-bench-)")
+    p.add_argument("--mtu", type=int, default=None, help="frame size of the cluster's links (default: its own)")
     p.add_argument("--replan", action="store_true", help="plan the rows of --out again, without measuring")
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -250,14 +291,17 @@ def placement(args, cpu, per_host, multiple, intra, inter, meshes, batch, fits) 
     """Bring a cluster up with hosts of per_host ranks at this inter-host rate, fit its
     tiers, and measure and plan each mesh on it."""
     hosts, rows = 4 // per_host, []
-    scaled_cluster(hosts, per_host, inter, intra)
+    scaled_cluster(hosts, per_host, inter, intra, mtu=args.mtu)
     alpha_inter, beta_inter = link_fit(1) if hosts > 1 else (0.0, inter)
     alpha_intra, beta_intra = link_fit(2) if per_host > 1 else (0.0, intra)
     fits[f"{per_host} per host at {multiple:g}x"] = {"alpha_inter_s": alpha_inter, "beta_inter_bytes_s": beta_inter,
-                                                     "alpha_intra_s": alpha_intra, "beta_intra_bytes_s": beta_intra}
+                                                     "alpha_intra_s": alpha_intra, "beta_intra_bytes_s": beta_intra,
+                                                     "pair_all_reduce_added_s": pair_all_reduce_added()}
     print(f"fitted on {hosts} hosts of {per_host}: inter-host alpha {1e6 * alpha_inter:.0f} us, "
           f"beta {8 * beta_inter / 1e6:.1f} Mbit/s (shaped {8 * inter / 1e6:.1f}); intra-host alpha "
-          f"{1e6 * alpha_intra:.0f} us, beta {8 * beta_intra / 1e6:.1f} Mbit/s (shaped {8 * intra / 1e6:.0f})", flush=True)
+          f"{1e6 * alpha_intra:.0f} us, beta {8 * beta_intra / 1e6:.1f} Mbit/s (shaped {8 * intra / 1e6:.0f}); "
+          f"a pair's 8-byte all-reduce adds {1e3 * fits[f'{per_host} per host at {multiple:g}x']['pair_all_reduce_added_s']:.2f} ms "
+          f"between matmuls", flush=True)
     tiers = fits[f"{per_host} per host at {multiple:g}x"]
     a100 = replace(A100, ranks_per_host=per_host, inter_bandwidth=A100.inter_bandwidth * multiple)
     for mesh in meshes:

@@ -276,7 +276,7 @@ def cluster_rates(plt) -> dict:
         ax.set(xscale="log", yscale="log", xlabel="inter-host Mbit/s per rank", title=title)
         ax.minorticks_off()
         ax.set_xticks(rate, [f"{r:.0f}" for r in rate])
-        ax.set_yticks([300, 1000, 3000, 8000], ["300", "1,000", "3,000", "8,000"])
+        ax.set_yticks([100, 300, 1000, 3000, 8000], ["100", "300", "1,000", "3,000", "8,000"])
     axes[0].set_ylabel("ms per step: measured (solid), planned (dashed)")
     axes[0].legend(fontsize=7)
     caption(axes[0], "python benchmarks/cluster_layouts.py --rates 0.25,1,4 (58 Mbit/s: InfiniBand scaled); default model, "

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from numpitron.cluster import control
-from numpitron.cluster.network import FRAME_HEADER_BYTES, MTU, ClusterError, ClusterSpec, set_host_link
+from numpitron.cluster.network import FRAME_HEADER_BYTES, ClusterError, ClusterSpec, set_host_link
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
@@ -25,7 +25,6 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None 
 
 PREFIX = "npt-test-"
 SCRIPT = str(REPO / "tests/scripts/on_cluster.py")
-MSS = MTU - 20 - 32                   # TCP payload of one full segment: IPv4 and TCP-with-timestamps headers
 
 
 def cluster(*args, prefix=PREFIX, timeout=120):
@@ -57,7 +56,10 @@ def test_up_status_stale_and_down_are_clean_and_idempotent():
     up = cluster("up", "--hosts", "2", "--ranks-per-host", "1", "--inter-host-rate", "50mbit",
                  "--intra-host-rate", "1gbit", prefix=prefix)
     assert up.returncode == 0, up.stderr
-    assert up.stdout.startswith("up: 2 hosts x 1 ranks"), up.stdout
+    assert up.stdout.startswith("up: 2 hosts x 1 ranks") and "frames of 6250 B" in up.stdout, up.stdout
+    mtu = subprocess.run(["ip", "netns", "exec", f"{prefix}h1s0", "cat", "/sys/class/net/eth0/mtu"],
+                         capture_output=True, text=True).stdout
+    assert mtu.strip() == "6250"                  # 1 ms of the slowest link, 50 Mbit/s
     again = cluster("up", "--hosts", "1", "--ranks-per-host", "1", "--inter-host-rate", "1mbit", prefix=prefix)
     assert again.returncode == 1 and again.stderr.count("\n") == 1 and "already up" in again.stderr
     subprocess.run(["ip", "netns", "delete", f"{prefix}h1s0"], check=True)      # half a crash
@@ -70,6 +72,15 @@ def test_up_status_stale_and_down_are_clean_and_idempotent():
     assert cluster("status", prefix=prefix).stdout.strip() == "down"
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert prefix not in listed
+
+
+@pytest.mark.parametrize("rates, mtu, frame", [(("200mbit", None), None, 25000), (("50mbit", "1gbit"), None, 6250),
+                                               (("1mbit", None), None, 1500), (("100gbit", "1tbit"), None, 65000),
+                                               (("200mbit", None), 9000, 9000)])
+def test_frames_are_a_millisecond_of_the_slowest_link(rates, mtu, frame):
+    """Small enough that a token bucket banks no more than ~1 ms of a link while it
+    idles, large enough that the kernel's work per frame stays off the cores."""
+    assert ClusterSpec("npt-x-", 2, 2, *rates, mtu=mtu).frame_bytes == frame
 
 
 def test_without_root_one_line(monkeypatch):
@@ -101,7 +112,8 @@ def test_bytes_on_the_link_are_the_formula_plus_tcp_framing(two_by_two, mesh):
     link, payload = report["link"], sum(report["formula"].values())
     assert payload == report["counted"]
     framing = FRAME_HEADER_BYTES * link["tx_packets"]
-    assert link["tx_packets"] * MSS >= payload            # no segment carries more than one MSS
+    mss = two_by_two.frame_bytes - 20 - 32        # TCP payload of one full segment: IPv4 and TCP-with-timestamps headers
+    assert link["tx_packets"] * mss >= payload            # no segment carries more than one MSS
     assert abs(link["tx_bytes"] - framing - payload) <= 0.05 * payload, (link, payload, framing)
 
 

@@ -215,12 +215,77 @@ def test_a_cluster_profile_splits_the_bytes_into_two_tiers(mesh, across):
     assert stage["tiers"].get("inter", {}).get("bytes", 0.0) == pytest.approx(inter)
     hierarchical = {(1, 1, 4, 1): "dp_cp.all_reduce", (4, 1, 1, 1): "tp.all_reduce"}.get(mesh)
     inter_seconds = inter / 1e7                 # one rank of each group a host: the whole ring crosses
-    if hierarchical:     # two ranks a host: each sends half the buffer's share across (predict._link_time)
+    if hierarchical:     # two ranks a host: each sends half the buffer's share across (links.link_time)
         ring = stage["comm_bytes"][hierarchical]
         buffer = ring * 4 / 3
         inter_seconds += buffer / 2 / 1e8 + buffer / 2 / 2 / 1e7 - ring / 1e7
     assert stage["tiers"].get("inter", {}).get("seconds", 0.0) == pytest.approx(inter_seconds)
     assert sum(t["bytes"] for t in stage["tiers"].values()) == pytest.approx(sum(stage["comm_bytes"].values()))
+
+
+@pytest.mark.parametrize("stage, split", [(0, {"intra": 1.0}), (1, {"intra": 0.5, "inter": 0.5}),
+                                          (3, {"intra": 1.0})])
+def test_a_stage_sends_to_each_neighbour_over_its_own_tier(stage, split):
+    """pp = 4 on hosts of two ranks: stages 0 and 1 share host 0, 2 and 3 host 1. A
+    middle stage sends half its bytes (activations on, gradients back) to each
+    neighbour, an end stage all to its one; stage 1's next neighbour is across. A
+    stage's sends and receives add up: it receives, computes, then sends."""
+    from dataclasses import replace
+
+    from numpitron.plan.accounting import Rank
+    from numpitron.plan.devices import load_device
+    from numpitron.plan.links import point_to_point_time
+    bandwidth = {"intra": 1e8, "inter": 1e7}
+    cluster = replace(load_device("this-machine"), ranks_per_host=2, intra_bandwidth=bandwidth["intra"],
+                      inter_bandwidth=bandwidth["inter"], intra_latency=0.0, inter_latency=0.0, cores_per_node=0)
+    comm, calls = {"pp.send": 3e6, "pp.recv": 2e6}, {"pp.send": 1, "pp.recv": 1}
+    priced = sum(share * 5e6 / bandwidth[tier] for tier, share in split.items())
+    assert point_to_point_time("pp", comm, calls, Rank(1, 4, 1, 1, stage), (1, 4, 1, 1), cluster) == pytest.approx(priced)
+
+
+def test_a_pipeline_on_links_costs_what_its_messages_add_to_the_timeline():
+    """pp = 2 x dp = 2 on hosts of two ranks: only the pipeline's messages cross hosts.
+    Slowing the inter-host tier lengthens every stage's step by the same amount, the
+    schedule's makespan with the messages on that link less the one with free messages
+    (predict.pipeline_transfer_time), which is less than their sum: some hide."""
+    from dataclasses import replace
+
+    from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
+    from numpitron.plan.devices import load_device
+    from numpitron.plan.predict import plan
+    fast = replace(load_device("this-machine"), ranks_per_host=2, intra_bandwidth=1e8, inter_bandwidth=1e30,
+                   intra_latency=0.0, inter_latency=0.0, cores_per_node=0)
+    slow = replace(fast, inter_bandwidth=1e7)
+    model, parallel, train = ModelConfig(), ParallelConfig(), TrainConfig(micro_batch_size=2, global_batch_size=16)
+    free, paid = (plan(model, parallel, train, (1, 2, 2, 1), d) for d in (fast, slow))
+    added = paid["step_s"] - free["step_s"]
+    sent = paid["stages"][0]["comm_bytes"]["pp.send"] + paid["stages"][0]["comm_bytes"]["pp.recv"]
+    assert 0 < added < sent / 1e7
+    for before, after in zip(free["stages"], paid["stages"]):
+        assert after["time_s"]["step"] - before["time_s"]["step"] == pytest.approx(added)
+
+
+@pytest.mark.parametrize("cp_rank", [0, 1, 3])
+def test_a_ring_sends_and_receives_at_once_on_a_full_duplex_link(cp_rank):
+    """cp = 4 on hosts of two ranks: the ring's last rank (3) sends across to rank 0 and
+    receives from rank 2 on its host; on a link both go at once, so the slower counts.
+    Through one node's shared memory the rank's core copies both, one after the other."""
+    from dataclasses import replace
+
+    from numpitron.plan.accounting import Rank
+    from numpitron.plan.devices import load_device
+    from numpitron.plan.links import point_to_point_time
+    cluster = replace(load_device("this-machine"), ranks_per_host=2, intra_bandwidth=1e8, inter_bandwidth=1e7,
+                      intra_latency=0.0, inter_latency=0.0, cores_per_node=0)
+    comm, calls = {"cp.send": 3e6, "cp.recv": 3e6}, {"cp.send": 6, "cp.recv": 6}
+    rank = Rank(1, 1, 1, 4, cp_rank=cp_rank)
+    sends_across, receives_across = cp_rank in (1, 3), cp_rank in (0, 2)
+    expected = max(3e6 / (1e7 if sends_across else 1e8), 3e6 / (1e7 if receives_across else 1e8))
+    assert point_to_point_time("cp", comm, calls, rank, (1, 1, 1, 4), cluster) == pytest.approx(expected)
+    one_node = load_device("this-machine")
+    assert not one_node.full_duplex() and cluster.full_duplex()
+    assert point_to_point_time("cp", comm, calls, rank, (1, 1, 1, 4), one_node) == pytest.approx(
+        6e6 / one_node.intra_bandwidth + 12 * one_node.intra_latency)
 
 
 def test_ranks_beyond_the_cores_share_them():
@@ -293,7 +358,8 @@ def test_each_call_pays_alpha_once_per_message_of_its_algorithm():
 
     from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
     from numpitron.plan.devices import load_device
-    from numpitron.plan.predict import messages, plan
+    from numpitron.plan.links import messages
+    from numpitron.plan.predict import plan
     alpha_intra, alpha_inter = 1e-3, 1e-2
     cluster = replace(load_device("this-machine"), ranks_per_host=2, intra_bandwidth=1e30, inter_bandwidth=1e30,
                       intra_latency=alpha_intra, inter_latency=alpha_inter, cores_per_node=0)

@@ -223,3 +223,19 @@ def test_a_layer_on_one_stage_only_fails_every_rank_alike(monkeypatch):
     with pytest.raises(UserError, match="WholeBackwardOnly has only a whole backward") as error:
         make_trainer(pipeline=2, schedule="zero-bubble")
     assert MPI.COMM_WORLD.allgather(str(error.value)) == [str(error.value)] * 2
+
+
+def test_a_message_between_stages_waits_for_its_link_and_crosses_it():
+    """The planner's pipeline on links (docs/13): 1F1B over two stages, one micro-batch,
+    a forward 1 and a backward 2. Free messages: 1 + 1 + 2 + 2 = 6. A message of 0.5 each
+    way adds 1. Two micro-batches of GPipe on a link of 3 a message: the second
+    activation waits for the first to leave the link, so stage 1 starts its second
+    forward at 1 + 3 + 3 = 7, not at 2 + 3."""
+    from numpitron.parallel.schedules import gpipe, one_f_one_b, simulate
+    lists = [one_f_one_b(1, 2, stage) for stage in range(2)]
+    assert max(simulate(lists, 1)) == 6
+    assert max(simulate(lists, 1, transfer=lambda a, b: 0.5)) == 7
+    events = {}
+    simulate([gpipe(2, 2, stage) for stage in range(2)], 2, transfer=lambda a, b: 3.0, events=events)
+    starts = {(str(op), rank): start for (op, rank), (start, _) in events.items()}
+    assert starts[("F0", 1)] == 4 and starts[("F1", 1)] == 7

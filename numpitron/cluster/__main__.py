@@ -31,6 +31,9 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--intra-host-rate", default=None,
                    help="give each rank its own namespace and a link of this rate to its host's switch "
                         "(default: the ranks of a host share memory)")
+    u.add_argument("--mtu", type=int, default=None,
+                   help="largest frame on every link, bytes (default: about 1 ms of the slowest link, within "
+                        "1500..65000; Ethernet's is 1500)")
     r = sub.add_parser("run", help="run an MPI command on the cluster, filling the hosts in order")
     r.add_argument("-n", type=int, required=True, help="number of ranks")
     r.add_argument("--per-host", type=int, default=None, help="ranks on each host (default: --ranks-per-host)")
@@ -49,7 +52,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     if args.action == "up":
         spec = control.up(ClusterSpec(args.prefix, args.hosts, args.ranks_per_host, args.inter_host_rate,
-                                      args.intra_host_rate))
+                                      args.intra_host_rate, args.mtu))
         print(control.status(spec.prefix))
     elif args.action == "run":
         command = args.command[1:] if args.command[:1] == ["--"] else args.command

@@ -15,7 +15,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from numpitron.cluster.network import (ClusterError, ClusterSpec, create, destroy, existing_namespaces,
+from numpitron.cluster.network import (MTU_RANGE, ClusterError, ClusterSpec, create, destroy, existing_namespaces,
                                        kill_namespace_processes, link_counters, parse_rate, set_host_link)
 
 STATE_ROOT = Path(os.environ.get("NUMPITRON_CLUSTER_STATE", "/run/numpitron-cluster"))
@@ -66,6 +66,8 @@ def up(spec: ClusterSpec) -> ClusterSpec:
         raise ClusterError("at most 250 hosts and 250 ranks per host (one address byte each)")
     for rate in filter(None, (spec.inter_host_rate, spec.intra_host_rate)):
         parse_rate(rate)
+    if spec.mtu is not None and not MTU_RANGE[0] <= spec.mtu <= MTU_RANGE[1]:
+        raise ClusterError(f"--mtu must lie in {MTU_RANGE[0]}..{MTU_RANGE[1]} bytes, got {spec.mtu}")
     reason = stale_reason(spec.prefix)
     if reason:
         raise ClusterError(f"a stale cluster with prefix {spec.prefix!r}: {reason}; run `down` first")
@@ -104,7 +106,7 @@ def status(prefix: str = DEFAULT_PREFIX) -> str:
         return f"stale: {reason}"
     if spec is None:
         return "down"
-    lines = [f"up: {spec.hosts} hosts x {spec.ranks_per_host} ranks, inter-host {spec.inter_host_rate}, "
+    lines = [f"up: {spec.hosts} hosts x {spec.ranks_per_host} ranks, inter-host {spec.inter_host_rate}, frames of {spec.frame_bytes} B, "
              + (f"intra-host {spec.intra_host_rate} (a namespace per rank)" if spec.intra_host_rate
                 else "intra-host shared memory (a namespace per host)")]
     for h in range(spec.hosts):

@@ -11,12 +11,13 @@ no interface, address or route.
         hb<h>  bridge: host h's own switch
         r<h>-<s> veth, a port of hb<h>    <-->  eth0 in namespace PREFIXh<h> (or PREFIXh<h>s<s>)
 
-The pair up<h>/hup<h> is host h's link to the others (its network card): a token
-bucket on each end shapes both directions at the inter-host rate, and its counters
-are the bytes that crossed hosts. A host is one namespace holding all its ranks, which
-talk through shared memory as on a real node, unless an intra-host rate is given:
-then each rank has its own namespace ("slot") and its veth r<h>-<s> is shaped at that
-rate, so both tiers of the hierarchy are links the kernel meters.
+The pair up<h>/hup<h> is host h's link to the others: a token bucket on each end
+shapes both directions at the inter-host rate, and its counters are the bytes that
+crossed hosts. A host is one namespace holding all its ranks, which talk through
+shared memory as on a real node and share the host's link like one network card,
+unless an intra-host rate is given: then each rank has its own namespace ("slot"),
+its veth r<h>-<s> is shaped at that rate, so both tiers of the hierarchy are links
+the kernel meters, and the host link is split into a card per rank (shape_per_rank).
 """
 
 import os
@@ -28,13 +29,23 @@ from numpitron.errors import UserError
 
 SUBNET = "10.211"                  # the private /16 every address comes from
 SWITCH_ADDRESS = f"{SUBNET}.0.254"
-MTU = 1500
+# Frames. Every frame costs the kernel the same work whatever its size, and that work
+# runs on the cores that stand for the accelerators (a GPU's network card does it on
+# its own): measured here (benchmarks/cluster_frames.py), moving a byte between two
+# hosts cost about 15 ns of CPU in 1500-byte frames, 2.5 in 9000 and 0.8 in 65000.
+# But a token bucket must hold a whole frame to send it, so a link banks up to two
+# frames while it is idle and then sends them at once: large frames on a slow link
+# let a message that follows a pause cross for free. The cluster therefore sizes its
+# frames to about 1 ms of its slowest link (the bucket's burst, see shape), within
+# Ethernet's 1500 and a veth's 65000; --mtu sets it by hand.
+MTU, MTU_CEILING = 1500, 65000
+MTU_RANGE = (576, 65535)          # what --mtu accepts
 # The token buckets queue rather than drop: a dropped segment would be sent again,
 # and the bytes a link counts would no longer be the bytes the job sent.
 QUEUE_LIMIT_BYTES = 16 * 2**20
 # Every frame on a link carries Ethernet (14 bytes; a veth counts no preamble or
 # checksum), IPv4 (20) and TCP with the timestamp option (20 + 12) headers: a
-# segment holds at most MTU - 52 = 1448 bytes of what the job sent.
+# segment holds at most MTU - 52 bytes of what the job sent (1448 at Ethernet's 1500).
 FRAME_HEADER_BYTES = 14 + 20 + 32
 
 
@@ -49,10 +60,19 @@ class ClusterSpec:
     ranks_per_host: int
     inter_host_rate: str            # tc syntax: 200mbit, 1gbit, 25mbps (bytes)
     intra_host_rate: str | None = None
+    mtu: int | None = None          # None: about 1 ms of the slowest link (frame_bytes)
 
     @property
     def switch(self) -> str:
         return f"{self.prefix}net"
+
+    @property
+    def frame_bytes(self) -> int:
+        """The links' MTU: as given, or 1 ms of the slowest link within 1500..65000."""
+        if self.mtu:
+            return self.mtu
+        slowest = min(parse_rate(r) for r in (self.inter_host_rate, self.intra_host_rate) if r)
+        return int(min(MTU_CEILING, max(MTU, slowest / 1000)))
 
     @property
     def slots_per_host(self) -> int:
@@ -102,21 +122,41 @@ def parse_rate(rate: str) -> float:
     return value / 8 if match.group(3) == "bit" else value
 
 
-def shape(namespace: str, device: str, rate: str) -> None:
-    """A token bucket on the device's egress. Its burst is 1 ms of traffic (at least
-    two frames), so the rate holds on every time scale a step can see."""
-    burst = max(2 * (MTU + 14), int(parse_rate(rate) / 1000))
+def shape(namespace: str, device: str, rate: str, mtu: int) -> None:
+    """A token bucket on the device's egress. Its burst is 1 ms of traffic, and at least
+    two frames (a bucket smaller than a frame never sends it), so the rate holds on
+    every time scale a step can see."""
+    burst = max(2 * (mtu + 14), int(parse_rate(rate) / 1000))
     run_ip("ip", "netns", "exec", namespace, "tc", "qdisc", "replace", "dev", device, "root", "tbf",
            "rate", rate, "burst", str(burst), "limit", str(QUEUE_LIMIT_BYTES))
 
 
-def _veth(switch: str, name: str, peer: str, peer_namespace: str) -> None:
-    run_ip("ip", "-n", switch, "link", "add", name, "mtu", str(MTU), "type", "veth",
-           "peer", "name", peer, "netns", peer_namespace, "mtu", str(MTU))
+def shape_per_rank(namespace: str, device: str, rate: str, mtu: int, addresses: list[str], match: str) -> None:
+    """The host link as one card per rank, as a DGX gives each GPU its own InfiniBand
+    card: an htb class for each rank's address (`match`: src on the way out of the
+    host, dst on the way in), each at rate / ranks and never borrowing from the
+    others. A rank whose peers are quiet still gets only its own share, so a ring or
+    a pipeline that crosses hosts from one rank of a host goes at one card's speed,
+    which is what the planner charges. Frames of no rank (ARP) use the first class."""
+    share = f"{int(parse_rate(rate) * 8 / len(addresses))}bit"
+    burst = str(max(2 * (mtu + 14), int(parse_rate(share) / 1000)))
+    tc = ("ip", "netns", "exec", namespace, "tc")
+    run_ip(*tc, "qdisc", "replace", "dev", device, "root", "handle", "1:", "htb", "default", "1")
+    for slot, address in enumerate(addresses, start=1):
+        run_ip(*tc, "class", "add", "dev", device, "parent", "1:", "classid", f"1:{slot}", "htb", "rate", share,
+               "ceil", share, "burst", burst, "cburst", burst)
+        run_ip(*tc, "qdisc", "add", "dev", device, "parent", f"1:{slot}", "bfifo", "limit", str(QUEUE_LIMIT_BYTES))
+        run_ip(*tc, "filter", "add", "dev", device, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+               "match", "ip", match, f"{address}/32", "flowid", f"1:{slot}")
+
+
+def _veth(switch: str, name: str, peer: str, peer_namespace: str, mtu: int) -> None:
+    run_ip("ip", "-n", switch, "link", "add", name, "mtu", str(mtu), "type", "veth",
+           "peer", "name", peer, "netns", peer_namespace, "mtu", str(mtu))
     for namespace, device in ((switch, name), (peer_namespace, peer)):
         # One TCP segment per packet, so the counters see wire-sized frames
         # (segmentation offload would hand a veth 64 KiB at once).
-        run_ip("ip", "-n", namespace, "link", "set", device, "gso_max_segs", "1", "gso_max_size", str(MTU))
+        run_ip("ip", "-n", namespace, "link", "set", device, "gso_max_segs", "1", "gso_max_size", str(mtu))
 
 
 def _up(namespace: str, *devices: str) -> None:
@@ -136,27 +176,32 @@ def create(spec: ClusterSpec) -> None:
             run_ip("ip", "netns", "exec", namespace, "sysctl", "-q", "-w", "net.ipv4.tcp_timestamps=1")
             _up(namespace, "lo")
         sw = spec.switch
-        run_ip("ip", "-n", sw, "link", "add", "core", "type", "bridge")
+        run_ip("ip", "-n", sw, "link", "add", "core", "mtu", str(spec.frame_bytes), "type", "bridge")
         run_ip("ip", "-n", sw, "addr", "add", f"{SWITCH_ADDRESS}/16", "dev", "core")
         _up(sw, "core")
         for h in range(spec.hosts):
-            run_ip("ip", "-n", sw, "link", "add", f"hb{h}", "type", "bridge")
-            _veth(sw, f"up{h}", f"hup{h}", sw)
+            run_ip("ip", "-n", sw, "link", "add", f"hb{h}", "mtu", str(spec.frame_bytes), "type", "bridge")
+            _veth(sw, f"up{h}", f"hup{h}", sw, spec.frame_bytes)
             run_ip("ip", "-n", sw, "link", "set", f"up{h}", "master", "core")
             run_ip("ip", "-n", sw, "link", "set", f"hup{h}", "master", f"hb{h}")
             _up(sw, f"hb{h}", f"up{h}", f"hup{h}")
-            shape(sw, f"up{h}", spec.inter_host_rate)       # towards host h
-            shape(sw, f"hup{h}", spec.inter_host_rate)      # from host h
+            if spec.intra_host_rate:           # a rank per namespace: a card per rank
+                addresses = [spec.slot_address(h, s) for s in range(spec.slots_per_host)]
+                shape_per_rank(sw, f"up{h}", spec.inter_host_rate, spec.frame_bytes, addresses, "dst")
+                shape_per_rank(sw, f"hup{h}", spec.inter_host_rate, spec.frame_bytes, addresses, "src")
+            else:
+                shape(sw, f"up{h}", spec.inter_host_rate, spec.frame_bytes)       # towards host h
+                shape(sw, f"hup{h}", spec.inter_host_rate, spec.frame_bytes)      # from host h
             for s in range(spec.slots_per_host):
                 namespace = spec.slot_namespace(h, s)
-                _veth(sw, f"r{h}-{s}", "eth0", namespace)
+                _veth(sw, f"r{h}-{s}", "eth0", namespace, spec.frame_bytes)
                 run_ip("ip", "-n", sw, "link", "set", f"r{h}-{s}", "master", f"hb{h}")
                 run_ip("ip", "-n", namespace, "addr", "add", f"{spec.slot_address(h, s)}/16", "dev", "eth0")
                 _up(sw, f"r{h}-{s}")
                 _up(namespace, "eth0")
                 if spec.intra_host_rate:
-                    shape(sw, f"r{h}-{s}", spec.intra_host_rate)
-                    shape(namespace, "eth0", spec.intra_host_rate)
+                    shape(sw, f"r{h}-{s}", spec.intra_host_rate, spec.frame_bytes)
+                    shape(namespace, "eth0", spec.intra_host_rate, spec.frame_bytes)
     except ClusterError:
         destroy(spec.prefix)
         raise

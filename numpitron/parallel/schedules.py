@@ -267,19 +267,35 @@ class ScheduleError(ValueError):
 
 
 def simulate(schedules: list[list[Op]], m: int, v: int = 1, cost=None, v_shape: bool = False,
-             events: dict | None = None, paired: bool = False) -> list[Fraction]:
+             events: dict | None = None, paired: bool = False, transfer=None) -> list[Fraction]:
     """Run every stage's list in order, each operation as soon as what it depends on
-    has finished (cost: time per action, divided by v per chunk; v_shape: the V
-    placement). Returns the time each stage finishes; `events`, when given, receives
-    {(op, rank): (start, end)}. Raises ScheduleError if an operation is missing,
-    repeated, or waits forever (the executor would deadlock).
+    has finished (cost: time per action, divided by v per chunk, or a list of such, one
+    per stage; v_shape: the V placement). Returns the time each stage finishes;
+    `events`, when given, receives {(op, rank): (start, end)}. Raises ScheduleError if
+    an operation is missing, repeated, or waits forever (the executor would deadlock).
     paired: an F followed by a BW starts only when both inputs are in, as DualPipe's
-    overlapped pair does (this executor starts the F alone, as soon as it can)."""
+    overlapped pair does (this executor starts the F alone, as soon as it can).
+    transfer(from_rank, to_rank): seconds a message between two stages takes; each
+    link carries one message at a time, in the order they are sent (the planner's
+    pipeline on links, docs/13-planning-a-run.md)."""
     p, cost = len(schedules), cost or UNIT_COST
+    costs = cost if isinstance(cost, list) else [cost] * p
     placement = StagePlacement(p, v, v_shape)
     for rank, ops in enumerate(schedules):
         check_complete(ops, m, v, rank)
     finished, clock, position = {}, [Fraction(0)] * p, [0] * p
+    arrival, link_free = {}, {}
+
+    def ready(dep, rank):
+        """When a dependency's result is on `rank`: at once on its own rank, else after
+        its message has waited for the link and crossed it."""
+        op, source = dep
+        if transfer is None or source == rank:
+            return finished[dep]
+        if (dep, rank) not in arrival:
+            start = max(finished[dep], link_free.get((source, rank), 0))
+            arrival[(dep, rank)] = link_free[(source, rank)] = start + transfer(source, rank)
+        return arrival[(dep, rank)]
     progress = True
     while progress:
         progress = False
@@ -293,8 +309,9 @@ def simulate(schedules: list[list[Op]], m: int, v: int = 1, cost=None, v_shape: 
                                      if dep != (following._replace(action=FORWARD), rank)]
                 if not all(dep in finished for dep in needs):
                     break
-                begin = max([clock[rank]] + [finished[dep] for dep in needs])
-                clock[rank] = begin + Fraction(cost[op.action], v)
+                begin = max([clock[rank]] + [ready(dep, rank) for dep in needs])
+                each = costs[rank][op.action]
+                clock[rank] = begin + (Fraction(each, v) if isinstance(each, (int, Fraction)) else each / v)
                 if events is not None:
                     events[(op, rank)] = (begin, clock[rank])
                 finished[(op, rank)] = clock[rank]

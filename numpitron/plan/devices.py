@@ -63,6 +63,12 @@ class Device:
             return self.ranks_per_host
         return 2**62 if self.cores_per_node else self.devices_per_node
 
+    def full_duplex(self) -> bool:
+        """Whether what a rank sends and what it receives travel at once: yes over a
+        network card or NVLink (a cluster's links, a GPU's), no through one CPU node's
+        shared memory, where the rank's own core makes both copies in turn."""
+        return bool(self.ranks_per_host) or not self.cores_per_node
+
     def matmul_flops(self, size: float) -> float:
         """FLOP/s of a matmul call of `size` FLOPs: the curve, interpolated linearly in
         log(size) and flat beyond its ends; the peak without one."""

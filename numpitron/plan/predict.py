@@ -18,12 +18,13 @@ Collectives: for each kind, its bytes at its tier's bandwidth plus, for each cal
 tier's latency alpha once per message the call's algorithm sends in a row (`messages`:
 2(n - 1) for a ring all-reduce, n - 1 for a reduce-scatter or an all-gather, 1 for a
 send), over the calls the step makes (accounting.comm_calls: per block and micro-batch
-for tp, per bucket for dp, per micro-batch for pp). Ranks fill
-hosts in order (devices.Device.host_size), so a group of consecutive ranks stays on one
-host when the ranks it spans divide a host's: tp spans tp ranks, cp tp x cp, dp tp x cp
-x dp, pp all of them. Such a group uses the intra-host tier, any other the inter-host one. Tensor-, context- and pipeline-parallel traffic is exposed; the
-data-parallel reduction is hidden behind the last micro-batch's backward but for its
-last bucket and what the link cannot carry in that backward.
+for tp, per bucket for dp, per micro-batch for pp), on the tier each group's
+messages take (plan/links.py: hosts filled in order, hierarchical collectives across
+hosts, point-to-point traffic per neighbour). Tensor-, context- and pipeline-parallel
+traffic is exposed; the data-parallel reduction is hidden behind the last
+micro-batch's backward but for its last bucket and what the link cannot carry in that
+backward. On links a pipeline's messages cost what they add to the schedule's
+timeline (links.pipeline_transfer_time) instead of their sum.
 
 Pipelines: m micro-batches' stage time stretched by the schedule's bubble b, m t / (1 - b):
 (m + p - 1) t for GPipe and 1F1B; b from the unit-cost timeline of the schedule
@@ -53,6 +54,8 @@ from numpitron.plan.activations import peak_activation_bytes
 from numpitron.plan.experts import moe_block_work, moe_flops_delta
 from numpitron.plan.flops import hardware_flops, model_flops
 from numpitron.precision import FORMATS
+from numpitron.plan.links import (expert_size, groups_across_hosts, link_tier, link_time, mesh_sizes,
+                                  pipeline_transfer_time, point_to_point_time)
 from numpitron.plan.kernels import Work, block_work, embedding_work, head_work, optimizer_work
 from numpitron.plan.muon_cost import muon_cost, newton_schulz_work
 
@@ -75,7 +78,7 @@ def plan(model, parallel, train, mesh, device) -> dict:
     share = device.time_sharing(devices)
     stretch = share * device.pace(devices)       # time-sharing, and the pace of the slowest rank
     bubble = ideal_bubble(parallel.schedule, pp, m, parallel.virtual_stages)
-    stages = []
+    stages, stage_compute, message = [], [], 0.0
     placement = placement_of(parallel.schedule, pp, parallel.virtual_stages)
     for stage in range(pp):
         rank = Rank(tp, pp, dp, cp, stage, cp_rank=cp - 1, dp_shard=S, placement=placement, ep=ep)  # the ring's busiest
@@ -95,16 +98,26 @@ def plan(model, parallel, train, mesh, device) -> dict:
         # On a cluster a rank waiting for a link gives its core away, so time-sharing
         # does not stretch link time (on one CPU node a "link" is a copy a core makes).
         on_links = share if device.ranks_per_host else 1.0
-        t_comm = {kind: _link_time(kind, nbytes, calls[kind], mesh, device) / on_links for kind, nbytes in comm.items()}
+        t_comm = {kind: link_time(kind, nbytes, calls[kind], mesh, device) / on_links for kind, nbytes in comm.items()
+                  if not kind.endswith((".send", ".recv"))}
+        for group in {kind.split(".")[0] for kind in comm if kind.endswith((".send", ".recv"))}:
+            t_comm[f"{group}.send_recv"] = point_to_point_time(group, comm, calls, rank, mesh, device) / on_links
         # Muon's gathers and scatters: priced as one call a kind (its alpha is not counted per matrix).
-        t_muon_comm = {kind: _link_time(kind, nbytes, 1, mesh, device) / on_links for kind, nbytes in muon_comm.items()}
+        t_muon_comm = {kind: link_time(kind, nbytes, 1, mesh, device) / on_links for kind, nbytes in muon_comm.items()}
         tiers = {}
         for moved, seconds in ((comm, t_comm), (muon_comm, t_muon_comm)):
             for kind, nbytes in moved.items():
-                tier = tiers.setdefault(link_tier(kind, mesh, device), {"bytes": 0.0, "seconds": 0.0})
-                tier["bytes"] += nbytes
-                tier["seconds"] += seconds[kind]
-        exposed_per_mb = sum(t for kind, t in t_comm.items() if kind.split(".")[0] in ("tp", "cp", "pp", "ep")) / m
+                tiers.setdefault(link_tier(kind, mesh, device), {"bytes": 0.0, "seconds": 0.0})["bytes"] += nbytes
+            for kind, t in seconds.items():          # a group's sends and receives: one .send_recv
+                tiers.setdefault(link_tier(kind, mesh, device), {"bytes": 0.0, "seconds": 0.0})["seconds"] += t
+        # A pipeline on links: its messages cost what they add to the schedule's timeline
+        # (pipeline_transfer_time, after the loop), not their sum.
+        on_timeline = ("pp",) if pp > 1 and device.full_duplex() else ()
+        exposed_per_mb = sum(t for kind, t in t_comm.items() if kind.split(".")[0] in ("tp", "cp", "pp", "ep")
+                             and kind.split(".")[0] not in on_timeline) / m
+        if on_timeline:
+            message = comm.get("pp.send", 0.0) / max(calls.get("pp.send", 0), 1)
+            stage_compute.append(stretch * (sum(per_mb.values()) + exposed_per_mb))
         t_adam = sum(price(step_work(model, parallel, rank), device, itemsize).values())
         t_muon = sum(price(newton_schulz_work(muon["busiest_shapes"]), device, itemsize).values())
         dp_time = sum(t for kind, t in t_comm.items()
@@ -134,6 +147,11 @@ def plan(model, parallel, train, mesh, device) -> dict:
                                   "exposed_comm": stretch * (m * exposed_per_mb + exposed_dp),
                                   "optimizer": stretch * t_adam, "newton_schulz": stretch * t_muon, "bubble": idle,
                                   "step": step}})
+    if stage_compute:
+        added = pipeline_transfer_time(parallel, pp, m, placement, stage_compute, message, mesh, device)
+        for stage in stages:
+            stage["time_s"]["exposed_comm"] += added
+            stage["time_s"]["step"] += added
     step = max(s["time_s"]["step"] for s in stages)
     tokens = global_batch * model.seq_len
     flops = model_flops(*args) + moe_flops_delta(model, tokens)
@@ -201,80 +219,3 @@ def price(work: Work, device, itemsize: float) -> dict:
     return {"matmul": sum(flops / device.matmul_flops(size) for size, flops in work.matmul.items()),
             "elementwise": 3 * itemsize * work.passes / device.memory_bandwidth,
             "exp": work.exps * device.exp_time, "calls": work.calls * device.call_time}
-
-
-def mesh_sizes(mesh) -> tuple[int, int, int, int, int]:
-    """(tp, pp, dp, cp, S) of a mesh given as (tp, pp, dp, cp) or with HSDP's S after."""
-    tp, pp, dp, cp, *shard = mesh
-    return tp, pp, dp, cp, (shard[0] if shard and shard[0] else dp)
-
-
-def expert_size(mesh) -> int:
-    """ep of a mesh given with it after S (1 otherwise)."""
-    return mesh[5] if len(mesh) > 5 else 1
-
-
-def link_tier(kind: str, mesh, device) -> str:
-    """"intra" when every group of this kind's communicator lies on one host, else "inter"."""
-    tp, pp, dp, cp, S = mesh_sizes(mesh)
-    span = {"tp": tp, "cp": tp * cp, "dp_cp": tp * cp * dp, "dp_shard": tp * cp * S,
-            "dp_replica": tp * cp * dp, "ep": tp * expert_size(mesh), "expert_dp": tp * cp * dp,
-            "expert_dp_shard": tp * cp * S}.get(kind.split(".")[0], tp * cp * dp * pp)
-    host = device.host_size()
-    return "intra" if span <= host and host % span == 0 or span == 1 else "inter"
-
-
-def groups_across_hosts(mesh, device) -> list[str]:
-    """The groups whose collectives cross hosts (those of more than one rank)."""
-    tp, pp, dp, cp, S = mesh_sizes(mesh)
-    sizes = {"tp": tp, "cp": cp, "dp_cp": dp * cp, "dp_shard": S * cp if S < dp else 1,
-             "dp_replica": dp // S, "pp": pp}          # dp_shard is dp_cp unless hybrid
-    return [group for group, size in sizes.items() if size > 1 and link_tier(group, mesh, device) == "inter"]
-
-
-def group_size(kind: str, mesh) -> int:
-    """Ranks of the communicator a collective kind runs on."""
-    tp, pp, dp, cp, S = mesh_sizes(mesh)
-    ep = expert_size(mesh)
-    return {"tp": tp, "cp": cp, "dp_cp": dp * cp, "dp_shard": S * cp, "dp_replica": dp // S, "pp": pp,
-            "embedding": 2, "model": tp * pp, "dp_shard_model": tp * cp * pp * S, "ep": ep,
-            "expert_dp": dp * cp // ep, "expert_dp_shard": max(S * cp // ep, 1), "expert_model": tp * pp * ep}.get(kind.split(".")[0], tp * pp * dp * cp)
-
-
-def messages(kind: str, ranks: int) -> int:
-    """Messages one call sends one after another, each paying the latency alpha: a ring
-    all-reduce 2(n - 1) (reduce-scatter, then all-gather), a reduce-scatter or an
-    all-gather n - 1, an all-to-all n - 1, a broadcast a binomial tree's ceil(log2 n),
-    a send or a receive 1 (docs/02-collectives-and-the-mesh.md)."""
-    if ranks <= 1:
-        return 0
-    op = kind.split(".")[-1]
-    if op in ("send", "recv"):
-        return 1
-    if op == "broadcast":
-        return (ranks - 1).bit_length()
-    return 2 * (ranks - 1) if op.startswith("all_reduce") else ranks - 1
-
-
-def _link_time(kind: str, nbytes: float, calls: int, mesh, device) -> float:
-    """A collective kind's seconds in one step: calls x messages x alpha + bytes / beta
-    on one tier. A collective that crosses hosts runs hierarchically (as MPICH's does):
-    its q ranks on each host reduce-scatter (or gather) among themselves, and each sends
-    only its 1/q share across the h hosts, so the inter-host tier carries (h-1)/h of the
-    buffer over q per rank, where the flat ring would have sent (g-1)/g of it; a call
-    pays the messages of the collective over q ranks at the intra-host alpha and over h
-    at the inter-host one."""
-    group, size = kind.split(".")[0], group_size(kind, mesh)
-    if link_tier(kind, mesh, device) == "intra":
-        return calls * messages(kind, size) * device.intra_latency + nbytes / device.intra_bandwidth
-    tp, pp, dp, cp, S = mesh_sizes(mesh)
-    stride = {"tp": 1, "cp": tp, "dp_cp": tp, "dp_shard": tp, "dp_replica": tp * cp * S, "ep": tp,
-              "expert_dp": tp * expert_size(mesh), "expert_dp_shard": tp * expert_size(mesh)}.get(group)
-    per_host = max(1, min(size, device.host_size() // stride)) if stride else 1     # the group's ranks on one host
-    hosts = size // per_host
-    if kind.endswith(("send", "recv", "broadcast", "all_to_all")) or per_host == 1:    # and pp, model, world
-        return calls * messages(kind, size) * device.inter_latency + nbytes / device.inter_bandwidth
-    buffer = nbytes * size / (size - 1)        # bytes of the ring's formula -> the buffer times its factor
-    return (calls * (messages(kind, per_host) * device.intra_latency + messages(kind, hosts) * device.inter_latency)
-            + buffer * (per_host - 1) / per_host / device.intra_bandwidth
-            + buffer * (hosts - 1) / hosts / per_host / device.inter_bandwidth)
