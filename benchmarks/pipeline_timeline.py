@@ -57,7 +57,8 @@ def record_iteration(schedule: str, virtual: int, microbatches: int, warmup: int
 def simulated_iteration(schedule: str, virtual: int, stages: int, microbatches: int):
     """The unit-cost timeline, in the shape `record_iteration` gathers: per stage
     (events, wall, peak), events (action, micro-batch, start, end, chunk)."""
-    from numpitron.parallel.schedules import make_schedule, peak_in_flight, placement_of, simulate
+    from numpitron.parallel.schedules import make_schedule, placement_of
+    from numpitron.parallel.timeline import peak_in_flight, simulate
 
     placement = placement_of(schedule, stages, virtual)
     lists = [make_schedule(schedule, microbatches, stages, r, placement.v) for r in range(stages)]

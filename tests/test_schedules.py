@@ -16,8 +16,9 @@ from numpitron.errors import UserError
 from numpitron.model import GPTStage
 from numpitron.nn.layer import Layer
 from numpitron.parallel.pipeline import check_backward_splits
-from numpitron.parallel.schedules import (BACKWARD, FORWARD, Op, ScheduleError, closed_form_bubble, format_schedule,
-                                          ideal_bubble, make_schedule, peak_in_flight, placement_of, simulate)
+from numpitron.parallel.schedules import (BACKWARD, FORWARD, Op, closed_form_bubble, format_schedule, make_schedule,
+                                          placement_of)
+from numpitron.parallel.timeline import ScheduleError, ideal_bubble, peak_in_flight, simulate
 from tests.harness import make_trainer, tiny_model, tiny_train
 
 
@@ -231,7 +232,7 @@ def test_a_message_between_stages_waits_for_its_link_and_crosses_it():
     way adds 1. Two micro-batches of GPipe on a link of 3 a message: the second
     activation waits for the first to leave the link, so stage 1 starts its second
     forward at 1 + 3 + 3 = 7, not at 2 + 3."""
-    from numpitron.parallel.schedules import gpipe, one_f_one_b, simulate
+    from numpitron.parallel.schedules import gpipe, one_f_one_b
     lists = [one_f_one_b(1, 2, stage) for stage in range(2)]
     assert max(simulate(lists, 1)) == 6
     assert max(simulate(lists, 1, transfer=lambda a, b: 0.5)) == 7

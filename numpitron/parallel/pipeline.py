@@ -5,7 +5,7 @@ A schedule is plain data a reader can print: per stage, a list of operations
 list (`_Executor`); `PipelineStats` watches it run (what it records does not change
 what runs). Inputs are received just before they are needed (blocking Recv) and outputs
 sent as soon as they exist (non-blocking Isend, completed at the end of the
-iteration): a schedule whose dependencies `schedules.simulate` can run to the end
+iteration): a schedule whose dependencies `timeline.simulate` can run to the end
 cannot deadlock here, because the receives are the only waits.
 
 The model's `placement` (distributed/stages.py) says which rank holds each virtual

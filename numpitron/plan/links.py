@@ -12,7 +12,9 @@ on a full-duplex link (Device.full_duplex) a ring's send and receive travel at o
 timeline (pipeline_transfer_time).
 """
 
-from numpitron.parallel.schedules import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, make_schedule, simulate
+from numpitron.parallel.schedules import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, make_schedule
+from numpitron.parallel.timeline import simulate
+
 
 def mesh_sizes(mesh) -> tuple[int, int, int, int, int]:
     """(tp, pp, dp, cp, S) of a mesh given as (tp, pp, dp, cp) or with HSDP's S after."""
@@ -116,6 +118,15 @@ def neighbours(group: str, rank, mesh) -> dict:
     return out
 
 
+def latency_and_bandwidth(rank: int, peer: int, device) -> tuple[float, float]:
+    """(alpha, beta) of the tier between two global ranks: intra-host when hosts filled
+    in order put them on one, else inter-host."""
+    host = device.host_size()
+    if rank // host == peer // host:
+        return device.intra_latency, device.intra_bandwidth
+    return device.inter_latency, device.inter_bandwidth
+
+
 def point_to_point_time(group: str, comm: dict, calls: dict, rank, mesh, device) -> float:
     """A rank's sends and receives of one group (cp's ring, pp's stages) in one step:
     each neighbour's share of the bytes on the tier that reaches it (both on one host
@@ -127,12 +138,10 @@ def point_to_point_time(group: str, comm: dict, calls: dict, rank, mesh, device)
     sent, received = comm.get(f"{group}.send", 0.0), comm.get(f"{group}.recv", 0.0)
     messages_out, messages_in = calls.get(f"{group}.send", 0), calls.get(f"{group}.recv", 0)
     tp, _, dp, cp, _ = mesh_sizes(mesh)
-    me, host = rank.cp_rank * tp if group == "cp" else rank.stage * tp * cp * dp, device.host_size()
+    me = rank.cp_rank * tp if group == "cp" else rank.stage * tp * cp * dp
     out = into = 0.0
     for peer, (share_out, share_in) in neighbours(group, rank, mesh).items():
-        near = peer // host == me // host
-        alpha, beta = ((device.intra_latency, device.intra_bandwidth) if near
-                       else (device.inter_latency, device.inter_bandwidth))
+        alpha, beta = latency_and_bandwidth(me, peer, device)
         out += share_out * (messages_out * alpha + sent / beta)
         into += share_in * (messages_in * alpha + received / beta)
     return max(out, into) if group == "cp" and device.full_duplex() else out + into
@@ -141,7 +150,7 @@ def point_to_point_time(group: str, comm: dict, calls: dict, rank, mesh, device)
 def pipeline_transfer_time(parallel, pp: int, m: int, placement, stage_compute: list, message: float, mesh,
                            device) -> float:
     """Seconds a pipeline's messages add to its step on links: the schedule's timeline
-    (parallel/schedules.py) with each stage's micro-batch at its priced time (a forward
+    (parallel/timeline.py) with each stage's micro-batch at its priced time (a forward
     a third, a backward two thirds, as UNIT_COST has it) and each message of `message`
     bytes crossing the link between its two stages (alpha + bytes / beta of that tier,
     one message at a time on each link), less the same timeline with free messages.
@@ -149,12 +158,10 @@ def pipeline_transfer_time(parallel, pp: int, m: int, placement, stage_compute: 
     link that cannot keep up stalls every micro-batch behind it; adding up the sends,
     as one node's shared memory does, counts neither."""
     tp, _, dp, cp, _ = mesh_sizes(mesh)
-    stride, host = tp * cp * dp, device.host_size()
+    stride = tp * cp * dp                   # pp rank s holds global ranks from s * stride
 
     def transfer(source: int, destination: int) -> float:
-        near = source * stride // host == destination * stride // host
-        alpha, beta = ((device.intra_latency, device.intra_bandwidth) if near
-                       else (device.inter_latency, device.inter_bandwidth))
+        alpha, beta = latency_and_bandwidth(source * stride, destination * stride, device)
         return alpha + message / beta
     schedules = [make_schedule(parallel.schedule, m, pp, stage, placement.v) for stage in range(pp)]
     costs = [{FORWARD: t / 3, BACKWARD: 2 * t / 3, INPUT_GRAD: t / 3, WEIGHT_GRAD: t / 3} for t in stage_compute]

@@ -47,7 +47,8 @@ Each choice is an estimate, stated so that its error can be read off.
 """
 
 from numpitron.distributed.sharding import pad_to_multiple
-from numpitron.parallel.schedules import ideal_bubble, placement_of
+from numpitron.parallel.schedules import placement_of
+from numpitron.parallel.timeline import ideal_bubble
 from numpitron.plan.accounting import (Rank, comm_bytes, comm_calls, gradient_buckets, parameter_elements,
                                        state_bytes)
 from numpitron.plan.activations import peak_activation_bytes
@@ -79,6 +80,9 @@ def plan(model, parallel, train, mesh, device) -> dict:
     stretch = share * device.pace(devices)       # time-sharing, and the pace of the slowest rank
     bubble = ideal_bubble(parallel.schedule, pp, m, parallel.virtual_stages)
     stages, stage_compute, message = [], [], 0.0
+    # A pipeline on links: its messages cost what they add to the schedule's timeline
+    # (pipeline_transfer_time, after the loop), not their sum.
+    on_timeline = ("pp",) if pp > 1 and device.full_duplex() else ()
     placement = placement_of(parallel.schedule, pp, parallel.virtual_stages)
     for stage in range(pp):
         rank = Rank(tp, pp, dp, cp, stage, cp_rank=cp - 1, dp_shard=S, placement=placement, ep=ep)  # the ring's busiest
@@ -110,9 +114,6 @@ def plan(model, parallel, train, mesh, device) -> dict:
                 tiers.setdefault(link_tier(kind, mesh, device), {"bytes": 0.0, "seconds": 0.0})["bytes"] += nbytes
             for kind, t in seconds.items():          # a group's sends and receives: one .send_recv
                 tiers.setdefault(link_tier(kind, mesh, device), {"bytes": 0.0, "seconds": 0.0})["seconds"] += t
-        # A pipeline on links: its messages cost what they add to the schedule's timeline
-        # (pipeline_transfer_time, after the loop), not their sum.
-        on_timeline = ("pp",) if pp > 1 and device.full_duplex() else ()
         exposed_per_mb = sum(t for kind, t in t_comm.items() if kind.split(".")[0] in ("tp", "cp", "pp", "ep")
                              and kind.split(".")[0] not in on_timeline) / m
         if on_timeline:
