@@ -35,7 +35,7 @@ from mpi4py import MPI  # noqa: E402
 from numpitron.cli import setup_training, training_parser  # noqa: E402
 from numpitron.config import ModelConfig  # noqa: E402
 from numpitron.optim.memory_report import memory_bytes  # noqa: E402
-from numpitron.parallel.schedules import closed_form_bubble  # noqa: E402
+from numpitron.pipeline_parallel.schedules import closed_form_bubble  # noqa: E402
 from numpitron.trainer import Trainer  # noqa: E402
 
 VOCAB, N_TOKENS = 65, 200_000

@@ -6,7 +6,7 @@ attention, and how much attention memory a rank keeps.
 
 One attention layer (B x T x C, H heads) runs forward and backward with cp = the
 world size. The time a rank spends computing attention blocks is measured by timing
-the two blockwise kernels (nn/blockwise_attention.py) from outside; the rest of a
+the two blockwise kernels (context_parallel/blockwise_attention.py) from outside; the rest of a
 ring step is waiting for the slowest rank. Prints one JSON object and writes
 docs/figures/context_parallel_blocks.svg (from the pairs actually computed).
 """
@@ -31,7 +31,7 @@ from numpitron.nn import attention as attention_module  # noqa: E402
 from numpitron.nn.attention import ParallelAttention  # noqa: E402
 from numpitron.nn.layer import cache_nbytes  # noqa: E402
 from numpitron.nn.param import ParamStore  # noqa: E402
-from numpitron.distributed.zigzag import contiguous_chunks, zigzag_chunks  # noqa: E402
+from numpitron.context_parallel.zigzag import contiguous_chunks, zigzag_chunks  # noqa: E402
 
 SPLITS = {"zigzag": zigzag_chunks, "contiguous": contiguous_chunks}
 busy = {"s": 0.0}

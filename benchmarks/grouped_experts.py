@@ -2,7 +2,7 @@
 
     python benchmarks/grouped_experts.py [--reps 30]
 
-- grouped (the library, nn/experts.py): the rows arrive sorted by expert; each expert's
+- grouped (the library, experts/local_experts.py): the rows arrive sorted by expert; each expert's
   MLP runs over its own contiguous rows, one BLAS call per matmul per expert, no padding;
 - padded (here only): the rows scattered into one zero-padded (E, m, C) tensor, m the
   busiest expert's rows (dropless) or the capacity, and every matmul one batched
@@ -30,7 +30,7 @@ configure_process(["--blas-threads", "1"])
 import numpy as np  # noqa: E402
 
 from numpitron.distributed.topology import Topology  # noqa: E402
-from numpitron.nn.experts import LocalExperts  # noqa: E402
+from numpitron.experts.local_experts import LocalExperts  # noqa: E402
 from numpitron.nn.functional import bias_gelu_forward, gelu_backward_  # noqa: E402
 from numpitron.nn.param import ParamStore  # noqa: E402
 

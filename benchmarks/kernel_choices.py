@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 from numpitron.config import ModelConfig  # noqa: E402
 from numpitron.distributed.topology import Topology  # noqa: E402
 from numpitron.model import GPTStage  # noqa: E402
-from numpitron.nn import blockwise_attention  # noqa: E402
+from numpitron.context_parallel import blockwise_attention  # noqa: E402
 from numpitron.nn.attention import ParallelAttention  # noqa: E402
 from numpitron.nn.functional import bias_gelu_forward, gelu_backward_, row_tiles, rows_per_tile  # noqa: E402
 from numpitron.nn.layernorm import LayerNorm  # noqa: E402

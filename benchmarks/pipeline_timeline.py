@@ -5,13 +5,13 @@ interleaved 1F1B with 2 virtual stages, zero-bubble ZB-H1, ZB-V, DualPipeV), as 
     python benchmarks/pipeline_timeline.py --ideal 4 --out docs/pipeline_ideal.svg
 
 With --ideal p, no process runs: the schedules' unit-cost timelines on p stages come
-from the simulator (parallel/schedules.py, simulate), a forward, an input half and a
+from the simulator (pipeline_parallel/schedules.py, simulate), a forward, an input half and a
 weight half of a whole stage each costing 1 (a chunk of a V half of that).
 
 Every stage records when each operation of each micro-batch started and ended
 (PipelineStats.events); rank 0 gathers them and draws a row per stage: the gaps are
 the pipeline bubble. Each panel states the measured bubble beside the schedule's
-formula (parallel/schedules.py, closed_form_bubble) and the peak (micro-batch,
+formula (pipeline_parallel/schedules.py, closed_form_bubble) and the peak (micro-batch,
 chunk) pairs held at once per stage. The model has 2p layers, so that interleaving
 gives every chunk one block.
 """
@@ -27,7 +27,7 @@ from numpitron.runtime import configure_process  # noqa: E402
 
 configure_process(sys.argv)
 
-from numpitron.parallel.schedules import closed_form_bubble  # noqa: E402
+from numpitron.pipeline_parallel.schedules import closed_form_bubble  # noqa: E402
 
 COLORS = {"F": "#4c78a8", "BW": "#f58518", "B": "#e45756", "W": "#54a24b"}
 SCHEDULES = (("gpipe", 1, "GPipe"), ("1f1b", 1, "1F1B"), ("interleaved", 2, "interleaved 1F1B, v = 2"),
@@ -57,8 +57,8 @@ def record_iteration(schedule: str, virtual: int, microbatches: int, warmup: int
 def simulated_iteration(schedule: str, virtual: int, stages: int, microbatches: int):
     """The unit-cost timeline, in the shape `record_iteration` gathers: per stage
     (events, wall, peak), events (action, micro-batch, start, end, chunk)."""
-    from numpitron.parallel.schedules import make_schedule, placement_of
-    from numpitron.parallel.timeline import peak_in_flight, simulate
+    from numpitron.pipeline_parallel.schedules import make_schedule, placement_of
+    from numpitron.pipeline_parallel.timeline import peak_in_flight, simulate
 
     placement = placement_of(schedule, stages, virtual)
     lists = [make_schedule(schedule, microbatches, stages, r, placement.v) for r in range(stages)]

@@ -186,7 +186,7 @@ def main():
     groups = [group.probs for step in block.attn.forward(h)[1]["groups"] for group in step]
     slope = bias_gelu_forward(hidden.copy(), fc_bias)[1]
     dhidden = gradient_like(hidden, 8)
-    # Every softmax group of one block (nn/blockwise_attention.py); its backward is two
+    # Every softmax group of one block (context_parallel/blockwise_attention.py); its backward is two
     # passes inside attend_block_backward, timed with attention.
     add("  kernel: softmax", L, (median_ms(lambda gs: [softmax_lastdim_with_lse_(g) for g in gs],
                                            lambda: [g.copy() for g in groups]), 0.0, 0.0))

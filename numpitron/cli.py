@@ -9,7 +9,7 @@ from numpitron.config import DTYPES, LOAD_BALANCING, RECOMPUTE, SCHEDULES, ZERO_
 from numpitron.layout import check_layout
 from numpitron.distributed.watchdog import DEFAULT_TIMEOUT_S
 from numpitron.errors import UserError
-from numpitron.precision import GRAD_REDUCE_DTYPES
+from numpitron.precision.formats import GRAD_REDUCE_DTYPES
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -11,16 +11,16 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from numpitron.errors import UserError
-from numpitron.precision import GRAD_REDUCE_DTYPES, check_precision
+from numpitron.precision.formats import GRAD_REDUCE_DTYPES, check_precision
 
 DTYPES = ("float32", "float64")
-# The pipeline schedules' names, the one place they are spelled (parallel/schedules.py
+# The pipeline schedules' names, the one place they are spelled (pipeline_parallel/schedules.py
 # builds each; a schedule with separate weight passes splits every layer's backward).
 GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "gpipe", "1f1b", "interleaved", "zero-bubble"
 ZB_V, DUALPIPE_V = "zb-v", "dualpipev"
 SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, ZB_V, DUALPIPE_V)
 SPLIT_BACKWARD = (ZERO_BUBBLE, ZB_V, DUALPIPE_V)
-# Two chunks per rank placed in a V (distributed/stages.py): the first and the last
+# Two chunks per rank placed in a V (pipeline_parallel/placement.py): the first and the last
 # virtual stage on pp rank 0.
 V_SHAPED = (ZB_V, DUALPIPE_V)
 RECOMPUTE = ("none", "selective", "full")
@@ -174,7 +174,7 @@ class TrainConfig:
     loss_scale: float = 0.0             # the initial loss scale; 0: the format's (fp16 2^16, else 1)
     loss_scale_window: int = 1000       # fp16: clean steps before the scale doubles
     grad_reduce_dtype: str = "fp32"     # gradients summed over dp in fp32, or "param": the low format
-    optimizer: str = "adamw"            # or "muon": hidden matrices orthogonalised (optim/muon.py)
+    optimizer: str = "adamw"            # or "muon": hidden matrices orthogonalised (muon/muon.py)
     muon_lr: float = 0.0                # 0: lr (Muon's update is scaled to AdamW's RMS)
     muon_momentum: float = 0.95
     # Megatron's --rampup-batch-size (start, increment, samples): the global batch grows

@@ -4,7 +4,7 @@ so a layout that cannot work is one line and never a hang."""
 
 from numpitron.config import ModelConfig, ParallelConfig, SPLIT_BACKWARD
 from numpitron.errors import UserError
-from numpitron.precision import check_precision
+from numpitron.precision.formats import check_precision
 
 
 def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
@@ -85,7 +85,7 @@ def _check_experts(model: ModelConfig, parallel, data: int, context: int, expert
 
 
 def _check_ulysses(model: ModelConfig, tensor: int, context: int, parallel: ParallelConfig) -> None:
-    """Ulysses splits each rank's H/tp heads over its all-to-all group (distributed/ulysses.py)."""
+    """Ulysses splits each rank's H/tp heads over its all-to-all group (context_parallel/ulysses.py)."""
     group, heads = parallel.ulysses_group(context), model.n_heads // tensor
     if context % group:
         raise UserError(f"--ulysses-size ({group}) must divide the context-parallel size ({context})")
@@ -112,7 +112,7 @@ def _check_interleaving(model: ModelConfig, train, pipeline: int, data: int, vir
 
 
 def _check_v_shape(model: ModelConfig, train, pipeline: int, data: int, schedule: str) -> None:
-    """ZB-V and DualPipeV (parallel/schedules.py): 2p chunks of n_layers / 2p blocks,
+    """ZB-V and DualPipeV (pipeline_parallel/schedules.py): 2p chunks of n_layers / 2p blocks,
     and rank 0 runs 2p - 1 forwards of its first chunk before its first backward."""
     if model.n_layers % (2 * pipeline):
         raise UserError(f"n_layers ({model.n_layers}) must be divisible by 2 x the pipeline-parallel size "

@@ -6,7 +6,7 @@ the last ends with the language-model head and the loss. With one stage, one obj
 is the whole model. When the first and last stages differ, each holds a copy of the
 token embedding, both drawn from the same (seed, name) and kept equal by summing
 their gradients in `finalize_grads`. Which rank holds which virtual stage is the
-`placement`'s to say (distributed/stages.py): in a V, the first and the last are both
+`placement`'s to say (pipeline_parallel/placement.py): in a V, the first and the last are both
 on pp rank 0, which then holds the one token embedding for both.
 
 Parameters live in two flat buffers: `store` for those every data-parallel rank
@@ -20,20 +20,20 @@ import numpy as np
 from numpitron.config import ModelConfig
 from numpitron.distributed.comm import Comm
 from numpitron.distributed.sharding import shard_bounds, shard_size
-from numpitron.distributed.stages import StagePlacement
-from numpitron.distributed.zigzag import local_positions
+from numpitron.pipeline_parallel.placement import StagePlacement
+from numpitron.context_parallel.zigzag import local_positions
 from numpitron.nn.block import Block
 from numpitron.nn.embedding import Embeddings, PositionEmbedding, VocabParallelEmbedding
 from numpitron.nn.head import LanguageModelHead
 from numpitron.nn.kv_cache import KVCache
 from numpitron.nn.layer import Layer, sublayers
-from numpitron.nn.linear import ColumnParallelLinear, RowParallelLinear
-from numpitron.nn.moe import MixtureOfExperts, RoutingLog
+from numpitron.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+from numpitron.experts.moe import MixtureOfExperts, RoutingLog
 from numpitron.nn.param import ParamStore
 from numpitron.nn.recompute import Recomputed
-from numpitron.nn.residency import AlwaysResident
-from numpitron.nn.regions import make_region
-from numpitron.precision import FORMATS
+from numpitron.data_parallel.residency import AlwaysResident
+from numpitron.tensor_parallel.regions import make_region
+from numpitron.precision.formats import FORMATS
 
 TOKEN_EMBEDDING = "embedding.token.weight"
 
@@ -61,7 +61,7 @@ class GPTStage(Layer):
         self.first = self.placement.rank_of(0) == topo.pp_rank
         self.last = self.placement.rank_of(self.placement.stages - 1) == topo.pp_rank
         self.routing_log = RoutingLog(model_cfg.n_layers, model_cfg.num_experts)
-        # Aux-loss-free balancing's bias (nn/router.py): every block's, on every rank,
+        # Aux-loss-free balancing's bias (experts/router.py): every block's, on every rank,
         # moved by the trainer after each step; saved in the checkpoint's manifest.
         self.routing_bias = np.zeros((model_cfg.n_layers, model_cfg.num_experts))
         self._build_embeddings_and_head()
@@ -70,7 +70,7 @@ class GPTStage(Layer):
         params = self.tied + [p for layer in self.layers for p in layer.parameters() if p not in self.tied]
         self._build_stores(params, seed)
         self.summed_in_finalize = self._summed_in_finalize(params)
-        self.residency = AlwaysResident()       # ZeRO-3 installs its own (nn/residency.py)
+        self.residency = AlwaysResident()       # ZeRO-3 installs its own (data_parallel/residency.py)
         self.precision = FORMATS["fp32"]        # the Trainer sets a mixed precision's format
 
     def _build_embeddings_and_head(self) -> None:
@@ -178,7 +178,7 @@ class GPTStage(Layer):
 
     def linear_layers(self) -> dict:
         """This rank's linear layers by name, the ones whose products --precision fp8 takes
-        in fp8 (nn/fp8.py), as Transformer Engine's recipe does; the head, attention's
+        in fp8 (precision/fp8.py), as Transformer Engine's recipe does; the head, attention's
         scores and the routed experts keep bf16."""
         found, todo = {}, list(self.blocks)
         while todo:

@@ -2,7 +2,7 @@
 lines of NumPy, written to be read and trusted, not to be fast.
 
 Nothing in the library calls this module. The fast kernels (nn/functional.py,
-nn/layernorm.py, nn/blockwise_attention.py, optim/adamw.py, optim/grad_norm.py) compute
+nn/layernorm.py, context_parallel/blockwise_attention.py, optim/adamw.py, optim/grad_norm.py) compute
 the same functions in fewer passes over memory, in tiles or chunks, in place; their
 docstrings point here, and tests/test_kernels_vs_reference.py holds each of them to
 its reference, in float64 to 1e-10 and in float32.

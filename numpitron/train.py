@@ -21,7 +21,7 @@ from numpitron.distributed.agree import on_every_rank
 from numpitron.errors import UserError
 from numpitron.memory import check_fits
 from numpitron.metrics import MetricsLog
-from numpitron.parallel.schedules import closed_form_bubble
+from numpitron.pipeline_parallel.schedules import closed_form_bubble
 from numpitron.rundir import METRICS_NAME, claim_on_every_rank
 from numpitron.trainer import Trainer
 

@@ -18,17 +18,17 @@ import numpy as np
 
 from numpitron.data.batches import global_batch
 from numpitron.distributed.agree import on_every_rank
-from numpitron.distributed.zigzag import local_positions
+from numpitron.context_parallel.zigzag import local_positions
 from numpitron.distributed.sharding import shard_bounds
 from numpitron.model import GPTStage
-from numpitron.nn.fp8 import DelayedScaling
-from numpitron.nn.router import update_balance_bias
-from numpitron.optim.distributed import step_together
-from numpitron.optim.master_weights import step_mixed
+from numpitron.precision.fp8 import DelayedScaling
+from numpitron.experts.router import update_balance_bias
+from numpitron.data_parallel.distributed_optimizer import step_together
+from numpitron.precision.master_weights import step_mixed
 from numpitron.optim.schedule import learning_rate
-from numpitron.parallel.optimizer import make_optimizers
-from numpitron.precision import FORMATS, LossScaler
-from numpitron.parallel.pipeline import check_backward_splits, forward_only, run_schedule
+from numpitron.optim.factory import make_optimizers
+from numpitron.precision.formats import FORMATS, LossScaler
+from numpitron.pipeline_parallel.executor import check_backward_splits, forward_only, run_schedule
 
 
 class Trainer:
@@ -73,7 +73,7 @@ class Trainer:
     def microbatches(self, tokens, stream: str, index: int, batch_size: int | None = None):
         """This rank's share of global batch `index` of `stream` (of the step's size unless
         told), as micro-batches: the dp rank's rows, and of each row the cp rank's tokens
-        (distributed/zigzag.py)."""
+        (context_parallel/zigzag.py)."""
         topo, batch_size = self.topo, batch_size or self.global_batch_size
         x, y = global_batch(tokens, self.train_cfg.seed, stream, index, batch_size, self.model_cfg.seq_len)
         mine = local_positions(self.model_cfg.seq_len, topo.cp, topo.cp_rank)

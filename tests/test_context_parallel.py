@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from numpitron.checkpoint import load_checkpoint, save_checkpoint
 from numpitron.distributed.topology import Topology
-from numpitron.distributed.zigzag import contiguous_chunks, local_positions, zigzag_chunks
+from numpitron.context_parallel.zigzag import contiguous_chunks, local_positions, zigzag_chunks
 from tests.harness import assert_on_every_rank, make_trainer, serial_reference, tiny_model, tiny_tokens, tiny_train
 from tests.harness import error_lines, run_script, train_steps
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff

@@ -10,7 +10,7 @@ import pytest
 
 from numpitron.checkpoint import load_checkpoint, save_checkpoint
 from numpitron.distributed.topology import Topology
-from numpitron.nn.moe import MixtureOfExperts
+from numpitron.experts.moe import MixtureOfExperts
 from tests.harness import (TINY_FLAGS, assert_on_every_rank, check_mesh, error_lines, identical_over, logged_losses,
                            make_store, make_trainer, moe_layer_traffic, rand_x, run_script, tiny_model, tiny_train,
                            train_steps)

@@ -1,4 +1,4 @@
-"""FP8 matmuls (numpitron/nn/fp8.py; docs/16-numbers.md): the casts' bounds, the product
+"""FP8 matmuls (numpitron/precision/fp8.py; docs/16-numbers.md): the casts' bounds, the product
 against the plain one, a tiny model training in fp8, its amax agreement and its
 trajectory on dp = 2 and tp = 2 against one process, checkpointed histories, bad input."""
 
@@ -10,8 +10,8 @@ from mpi4py import MPI
 from numpitron.checkpoint import load_checkpoint, read_manifest, save_checkpoint
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
-from numpitron.nn.fp8 import E4M3, E5M2, PLAIN, DelayedScaling, Fp8Matmul, quantize, scales_from
-from numpitron.precision import check_precision
+from numpitron.precision.fp8 import E4M3, E5M2, PLAIN, DelayedScaling, Fp8Matmul, quantize, scales_from
+from numpitron.precision.formats import check_precision
 from tests.harness import (assert_on_every_rank, error_lines, make_trainer, run, run_script, tiny_model, tiny_train,
                            train_steps)
 

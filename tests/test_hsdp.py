@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 from numpitron.checkpoint import load_checkpoint, read_manifest, save_checkpoint
 from numpitron.config import ParallelConfig
-from numpitron.distributed.hierarchical import hierarchical_all_reduce, hierarchical_bytes
+from numpitron.data_parallel.hierarchical import hierarchical_all_reduce, hierarchical_bytes
 from numpitron.distributed.sharding import pad_to_multiple
 from numpitron.distributed.topology import Topology, resolve_mesh
 from numpitron.errors import UserError

@@ -15,14 +15,14 @@ import pytest
 
 from numpitron import reference
 from numpitron.distributed.topology import Topology
-from numpitron.nn.blockwise_attention import AttentionState, attend_block, attend_block_backward, query_tiles
-from numpitron.nn.blockwise_attention import visible_keys
+from numpitron.context_parallel.blockwise_attention import AttentionState, attend_block, attend_block_backward, query_tiles
+from numpitron.context_parallel.blockwise_attention import visible_keys
 from numpitron.nn.functional import TILE_ELEMENTS, bias_gelu_forward, gelu_backward_, softmax_lastdim_with_lse_
 from numpitron.nn.layernorm import LayerNorm
 from numpitron.nn.param import ParamStore, mask_runs
 from numpitron.optim.adamw import AdamW
 from numpitron.optim.grad_norm import global_grad_sumsq
-from numpitron.distributed.zigzag import Chunk
+from numpitron.context_parallel.zigzag import Chunk
 from tests.tolerances import EQUIV_RTOL_FLOAT64, KERNEL_RTOL_FLOAT32, rel_diff
 
 TOLERANCE = {np.float64: EQUIV_RTOL_FLOAT64, np.float32: KERNEL_RTOL_FLOAT32}

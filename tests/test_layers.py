@@ -14,17 +14,17 @@ import pytest
 from numpitron.config import ModelConfig
 from numpitron.distributed.topology import Topology
 from numpitron.model import GPTStage
-from numpitron.nn import blockwise_attention
+from numpitron.context_parallel import blockwise_attention
 from numpitron.nn.activation_memory import attention_area, block_activation_bytes
 from numpitron.nn.attention import ParallelAttention
 from numpitron.nn.block import Block
-from numpitron.nn.cross_entropy import VocabParallelCrossEntropy
+from numpitron.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 from numpitron.nn.embedding import Embeddings, PositionEmbedding, VocabParallelEmbedding, VocabShard
 from numpitron.nn.functional import bias_gelu_forward, gelu_backward_
 from numpitron.nn.head import LanguageModelHead, TiedLMHead
 from numpitron.nn.layer import cache_nbytes
 from numpitron.nn.layernorm import LayerNorm
-from numpitron.nn.linear import ColumnParallelLinear, RowParallelLinear
+from numpitron.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 from numpitron.nn.mlp import ParallelMLP
 from numpitron.nn.recompute import Recomputed
 from tests.harness import assert_fd, check_layer, make_store, rand_x

@@ -10,10 +10,10 @@ from numpitron.config import ModelConfig, ParallelConfig
 from numpitron.layout import check_layout
 from numpitron.distributed.topology import Mesh, Topology
 from numpitron.errors import UserError
-from numpitron.nn.experts import LocalExperts
-from numpitron.nn.moe import MixtureOfExperts
-from numpitron.nn.router import TopKRouter, capacity
-from numpitron.parallel.pipeline import forward_only
+from numpitron.experts.local_experts import LocalExperts
+from numpitron.experts.moe import MixtureOfExperts
+from numpitron.experts.router import TopKRouter, capacity
+from numpitron.pipeline_parallel.executor import forward_only
 from tests.harness import assert_fd, check_layer, make_store, make_trainer, rand_x, tiny_model, tiny_tokens, tiny_train
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 

@@ -1,4 +1,4 @@
-"""Balancing without an auxiliary loss (nn/router.py): the bias steers the choice and
+"""Balancing without an auxiliary loss (experts/router.py): the bias steers the choice and
 never the gates, moves by u * sign(mean load - load) from the global load, is the same
 on every rank, and trains exactly like one process on dp, ep, tp and pp meshes."""
 
@@ -8,7 +8,7 @@ import pytest
 from numpitron.config import ModelConfig
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
-from numpitron.nn.router import TopKRouter, update_balance_bias
+from numpitron.experts.router import TopKRouter, update_balance_bias
 from tests.harness import check_mesh, identical_over, make_store, make_trainer, rand_x, tiny_model, tiny_train
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 

@@ -9,7 +9,7 @@ import pytest
 from numpitron.layout import check_layout
 from numpitron.distributed.topology import Mesh, Topology
 from numpitron.errors import UserError
-from numpitron.nn.moe import MixtureOfExperts
+from numpitron.experts.moe import MixtureOfExperts
 from tests.harness import check_layer, check_mesh, make_store, make_trainer, rand_x, tiny_model, tiny_train
 
 SERIAL = Topology.serial()

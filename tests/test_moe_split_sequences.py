@@ -11,8 +11,8 @@ from mpi4py import MPI
 
 from numpitron.checkpoint import load_checkpoint, save_checkpoint
 from numpitron.distributed.topology import Topology
-from numpitron.distributed.zigzag import local_positions
-from numpitron.nn.moe import MixtureOfExperts
+from numpitron.context_parallel.zigzag import local_positions
+from numpitron.experts.moe import MixtureOfExperts
 from tests.harness import (assert_on_every_rank, check_mesh, identical_over, make_store, make_trainer, mesh_id,
                            moe_layer_traffic, rand_x, tiny_model, tiny_train, train_steps)
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff

@@ -10,9 +10,9 @@ from numpitron.config import TrainConfig
 from numpitron.errors import UserError
 from numpitron.nn.param import Param, ParamStore
 from numpitron.optim.adamw import AdamW
-from numpitron.optim.muon import (Muon, is_hidden_matrix, local_orthogonalise, matrix_pieces, newton_schulz,
+from numpitron.muon.muon import (Muon, is_hidden_matrix, local_orthogonalise, matrix_pieces, newton_schulz,
                                   update_scale)
-from numpitron.parallel.muon_owners import balanced_owners
+from numpitron.muon.owners import balanced_owners
 from tests.harness import SMALLER, error_lines, make_trainer, tiny_model, tiny_train, train_script
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from numpitron.distributed.topology import Topology
-from numpitron.optim.muon import is_hidden_matrix, matrix_shape, update_scale
+from numpitron.muon.muon import is_hidden_matrix, matrix_shape, update_scale
 from tests.harness import check_mesh, make_trainer, mesh_id, tiny_model, tiny_tokens, tiny_train, train_steps
 
 BF16_EPS = 2.0 ** -7

@@ -1,6 +1,6 @@
 """Muon on a mesh: every layout trains like one process (float64, 10 iterations, 1e-10),
 the owners' gathers and scatters move the bytes of the formula in
-parallel/muon_owners.py (docs/12), and a Muon checkpoint resumes on any mesh."""
+muon/owners.py (docs/12), and a Muon checkpoint resumes on any mesh."""
 
 import numpy as np
 import pytest
@@ -44,7 +44,7 @@ def test_muon_with_experts_matches_one_process():
 
 
 def muon_bytes(trainer) -> float:
-    """The formula of parallel/muon_owners.py for one store, summed over its ranks:
+    """The formula of muon/owners.py for one store, summed over its ranks:
     2 b sum_k [(E_k - tp c_k) + E_k (tp - 1) / tp]."""
     owners, tp = trainer.optimizer.adam.orthogonalise, trainer.topo.tp
     total = 0

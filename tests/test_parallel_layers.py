@@ -17,10 +17,10 @@ from numpitron.distributed.gather import gather_full
 from numpitron.distributed.topology import Topology
 from numpitron.model import GPTStage
 from numpitron.nn.attention import ParallelAttention
-from numpitron.nn.cross_entropy import VocabParallelCrossEntropy
+from numpitron.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 from numpitron.nn.embedding import VocabParallelEmbedding
 from numpitron.nn.head import TiedLMHead
-from numpitron.nn.linear import ColumnParallelLinear, RowParallelLinear
+from numpitron.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 from numpitron.nn.mlp import ParallelMLP
 from numpitron.nn.param import ParamStore, pad_to_full
 from tests.harness import assert_close_on_every_rank, assert_on_every_rank

@@ -1,4 +1,4 @@
-"""Mixed precision (numpitron/precision.py, optim/master_weights.py; docs/16-numbers.md):
+"""Mixed precision (numpitron/precision/formats.py, precision/master_weights.py; docs/16-numbers.md):
 the formats' rounding and ranges, dynamic loss scaling, fp16's underflow without it,
 the 2 + 2 + 12 bytes per parameter of every ZeRO stage, activations kept in 2 bytes,
 checkpoints of the master weights, and bf16 layouts against one process in bf16."""
@@ -13,7 +13,7 @@ from numpitron.errors import UserError
 from numpitron.nn.activation_memory import block_activation_bytes
 from numpitron.nn.layer import cache_nbytes
 from numpitron.optim.memory_report import memory_bytes
-from numpitron.precision import FORMATS, LossScaler, check_precision
+from numpitron.precision.formats import FORMATS, LossScaler, check_precision
 from tests.harness import assert_on_every_rank, make_trainer, run, serial_reference, tiny_model, tiny_tokens, tiny_train
 from tests.harness import train_steps
 

@@ -11,7 +11,7 @@ from numpitron.config import TrainConfig
 from numpitron.distributed.gather import gather_full
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
-from numpitron.precision import FORMATS
+from numpitron.precision.formats import FORMATS
 from tests.harness import SMALLER, assert_on_every_rank, make_trainer, rewrite_manifest, tiny_model, whole_buffers
 from tests.tolerances import EQUIV_RTOL_FLOAT32, rel_diff
 

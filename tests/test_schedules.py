@@ -10,15 +10,15 @@ from mpi4py import MPI
 
 from numpitron.config import SCHEDULES, SPLIT_BACKWARD, V_SHAPED, ParallelConfig
 from numpitron.layout import check_layout
-from numpitron.distributed.stages import StagePlacement
+from numpitron.pipeline_parallel.placement import StagePlacement
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
 from numpitron.model import GPTStage
 from numpitron.nn.layer import Layer
-from numpitron.parallel.pipeline import check_backward_splits
-from numpitron.parallel.schedules import (BACKWARD, FORWARD, Op, closed_form_bubble, format_schedule, make_schedule,
+from numpitron.pipeline_parallel.executor import check_backward_splits
+from numpitron.pipeline_parallel.schedules import (BACKWARD, FORWARD, Op, closed_form_bubble, format_schedule, make_schedule,
                                           placement_of)
-from numpitron.parallel.timeline import ScheduleError, ideal_bubble, peak_in_flight, simulate
+from numpitron.pipeline_parallel.timeline import ScheduleError, ideal_bubble, peak_in_flight, simulate
 from tests.harness import make_trainer, tiny_model, tiny_train
 
 
@@ -232,7 +232,7 @@ def test_a_message_between_stages_waits_for_its_link_and_crosses_it():
     way adds 1. Two micro-batches of GPipe on a link of 3 a message: the second
     activation waits for the first to leave the link, so stage 1 starts its second
     forward at 1 + 3 + 3 = 7, not at 2 + 3."""
-    from numpitron.parallel.schedules import gpipe, one_f_one_b
+    from numpitron.pipeline_parallel.schedules import gpipe, one_f_one_b
     lists = [one_f_one_b(1, 2, stage) for stage in range(2)]
     assert max(simulate(lists, 1)) == 6
     assert max(simulate(lists, 1, transfer=lambda a, b: 0.5)) == 7

@@ -1,4 +1,4 @@
-"""Ulysses and hybrid context parallelism (distributed/ulysses.py): where a group's chunks
+"""Ulysses and hybrid context parallelism (context_parallel/ulysses.py): where a group's chunks
 land, the sub-groups of cp, float64 equivalence with one process, the all-to-all and
 ring bytes against docs/13's formulas, and bad flags. (The ring alone is in
 test_context_parallel.py and test_equivalence.py.)"""
@@ -11,8 +11,8 @@ from numpitron.config import ParallelConfig
 from numpitron.layout import check_layout
 from numpitron.distributed.topology import Mesh, Topology
 from numpitron.errors import UserError
-from numpitron.distributed.zigzag import local_positions, zigzag_chunks
-from numpitron.distributed.ulysses import group_rows
+from numpitron.context_parallel.zigzag import local_positions, zigzag_chunks
+from numpitron.context_parallel.ulysses import group_rows
 from tests.harness import assert_on_every_rank, check_mesh, error_lines, make_trainer, mesh_id, run_script, tiny_model
 from tests.harness import tiny_tokens, tiny_train
 

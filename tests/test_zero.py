@@ -1,4 +1,4 @@
-"""ZeRO stages 2 and 3 (parallel/zero.py, parallel/zero3.py): the same training as one
+"""ZeRO stages 2 and 3 (data_parallel/zero.py, data_parallel/zero3.py): the same training as one
 process in float64, with accumulation, tp, pp (stage 2), cp, sequence parallelism,
 recomputation and a clip that bites; memory and traffic as docs/12 derives them
 (the byte-exact comparison with the planner's accounting is in test_plan.py)."""

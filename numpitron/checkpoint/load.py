@@ -18,7 +18,7 @@ from numpitron.checkpoint.sharded import ShardedReader, cut_range
 from numpitron.config import ModelConfig
 from numpitron.distributed.agree import on_every_rank
 from numpitron.errors import UserError
-from numpitron.precision import saved_loss_scaler
+from numpitron.precision.formats import saved_loss_scaler
 
 
 def latest_checkpoint(root) -> Path | None:
@@ -145,7 +145,7 @@ def saved_amax_history(manifest: dict, path: Path) -> dict:
 
 
 def saved_routing_bias(manifest: dict, model, path: Path) -> np.ndarray:
-    """The routers' balancing bias (nn/router.py) for `model`, the same on any mesh,
+    """The routers' balancing bias (experts/router.py) for `model`, the same on any mesh,
     checked; a checkpoint from before it was saved has none (zeros: what an aux-loss
     run's bias is)."""
     saved = manifest.get("moe_routing_bias")

@@ -14,7 +14,7 @@ split the experts among them; ranks with the same position in their ep group
 (dp_cp_rank % ep) hold the same experts and average their gradients (the expert_dp
 group, dp x cp / ep ranks). With cp = 1 this is ep inside dp.
 
-Context parallelism may split its group once more (distributed/ulysses.py): U consecutive
+Context parallelism may split its group once more (context_parallel/ulysses.py): U consecutive
 cp ranks form a Ulysses group (cp_ulysses, an all-to-all over heads), and ranks with
 the same place in their Ulysses groups form a ring (cp_ring, cp / U ranks). The ring
 alone is U = 1, Ulysses alone U = cp; both groups exist on every mesh.

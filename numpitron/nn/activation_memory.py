@@ -22,14 +22,14 @@ run, which keeps them in the low format (nn/layer.py); the statistics `stat_item
 both are the dtype's size.
 """
 
-from numpitron.distributed.zigzag import zigzag_chunks
-from numpitron.nn.blockwise_attention import query_tiles, visible_keys
+from numpitron.context_parallel.zigzag import zigzag_chunks
+from numpitron.context_parallel.blockwise_attention import query_tiles, visible_keys
 
 
 def softmax_groups(T: int, cp: int = 1, cp_rank: int = 0):
     """(query tile, the key chunks it sees) of every softmax group a rank computes for
     its local sequence of T tokens over a whole ring: the query tiles of its two zigzag
-    chunks (distributed/zigzag.py) against the visible prefix of each block, exactly as
+    chunks (context_parallel/zigzag.py) against the visible prefix of each block, exactly as
     nn/attention.py walks them."""
     mine = query_tiles(zigzag_chunks(T, cp, cp_rank))
     for step in range(cp):

@@ -6,15 +6,15 @@ its own H/tp heads and attends without communication; the output projection is
 row-parallel and all-reduces once (Shoeybi et al. 2019, §3, Fig. 3b).
 
 Each cp rank holds two chunks of every sequence (the zigzag split of
-distributed/zigzag.py). Its queries must see every earlier key, so the key/value
+context_parallel/zigzag.py). Its queries must see every earlier key, so the key/value
 blocks travel around the cp ring (Liu et al. 2023, "Ring Attention"): at step s a
 rank attends to the block of rank (r - s) mod cp while passing it on to rank r + 1,
-and folds each partial result in with the online softmax (nn/blockwise_attention.py).
+and folds each partial result in with the online softmax (context_parallel/blockwise_attention.py).
 The backward sends the blocks around again, with their gradients travelling beside
 them, home to their owners after the last step. With cp = 1 the ring is one step
 over the rank's own block.
 
-Ulysses (distributed/ulysses.py) splits the cp group once more: inside groups of U
+Ulysses (context_parallel/ulysses.py) splits the cp group once more: inside groups of U
 ranks an all-to-all gives every rank all the group's tokens of H/(tp U) heads before
 attention, and another turns the output back; the ring then runs over the cp/U
 groups. The ring alone is U = 1 (both exchanges return their input), Ulysses alone
@@ -28,13 +28,13 @@ import math
 
 import numpy as np
 
-from numpitron.distributed.zigzag import Chunk, zigzag_chunks
+from numpitron.context_parallel.zigzag import Chunk, zigzag_chunks
 from numpitron.distributed.sharding import shard_size
-from numpitron.nn.blockwise_attention import AttentionState, attend_block, attend_block_backward, query_tiles
+from numpitron.context_parallel.blockwise_attention import AttentionState, attend_block, attend_block_backward, query_tiles
 from numpitron.nn.functional import row_sums
 from numpitron.nn.layer import Layer
-from numpitron.nn.linear import ColumnParallelLinear, RowParallelLinear
-from numpitron.distributed.ulysses import HeadExchange
+from numpitron.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+from numpitron.context_parallel.ulysses import HeadExchange
 
 KV_TAG, GRAD_TAG = 10, 20
 

@@ -7,7 +7,7 @@ from numpitron.nn.attention import ParallelAttention
 from numpitron.nn.layer import Layer
 from numpitron.nn.layernorm import LayerNorm
 from numpitron.nn.mlp import ParallelMLP
-from numpitron.nn.moe import MixtureOfExperts
+from numpitron.experts.moe import MixtureOfExperts
 
 
 class Block(Layer):

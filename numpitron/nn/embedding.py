@@ -13,7 +13,7 @@ import numpy as np
 from numpitron.distributed.sharding import pad_to_multiple, shard_bounds
 from numpitron.nn.layer import Layer, rows
 from numpitron.nn.param import Param
-from numpitron.nn.regions import ReplicatedRegion
+from numpitron.tensor_parallel.regions import ReplicatedRegion
 
 
 class VocabShard:
@@ -97,7 +97,7 @@ class Embeddings(Layer):
     """The first stage's input layer: token embedding + position embedding.
 
     `positions` are the global positions of the tokens this rank holds (all of them,
-    in order, unless context parallelism split the sequence: distributed/zigzag.py);
+    in order, unless context parallelism split the sequence: context_parallel/zigzag.py);
     while generating, the positions after those already in the key/value cache."""
 
     def __init__(self, token: VocabParallelEmbedding, position: PositionEmbedding, positions: np.ndarray):

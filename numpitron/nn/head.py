@@ -1,7 +1,7 @@
 """The last stage's output layer: final LayerNorm, the LM head tied to the token
 embedding, and the vocabulary-parallel loss."""
 
-from numpitron.nn.cross_entropy import VocabParallelCrossEntropy
+from numpitron.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 from numpitron.nn.layer import Layer, rows
 from numpitron.nn.layernorm import LayerNorm
 

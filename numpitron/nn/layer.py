@@ -29,7 +29,7 @@ computes meanwhile, and `wait` finishes it. A layer defines `backward_input` or
 
 import numpy as np
 
-from numpitron.precision import FORMATS
+from numpitron.precision.formats import FORMATS
 
 
 class InFlight:
@@ -47,7 +47,7 @@ class InFlight:
 
 
 class Layer:
-    # The run's number format (precision.py); GPTStage hands a mixed run's to every
+    # The run's number format (precision/formats.py); GPTStage hands a mixed run's to every
     # layer. A layer rounds what it produces to it, as an accelerator's kernel writes
     # its output in bf16, and keeps it for the backward in 2 bytes (`keep`, `widen`).
     precision = FORMATS["fp32"]

@@ -5,12 +5,12 @@
 GELU is element-wise, so it applies to each rank's slice of the hidden layer with
 no communication in between (Shoeybi et al. 2019, §3, Fig. 3a). This is the one copy
 of the MLP's math: the dense block uses it, and so does every expert of a mixture
-(nn/experts.py), with a region that leaves the sums over tp to the caller.
+(experts/local_experts.py), with a region that leaves the sums over tp to the caller.
 """
 
 from numpitron.nn.functional import bias_gelu_forward, gelu_backward_
 from numpitron.nn.layer import Layer
-from numpitron.nn.linear import ColumnParallelLinear, RowParallelLinear
+from numpitron.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 
 
 class ParallelMLP(Layer):

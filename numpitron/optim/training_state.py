@@ -4,7 +4,7 @@ and loads of it (checkpoint/sharded.py, load.py), and what an export gathers.
 A checkpoint holds three flat buffers, each laid out like the store's parameters
 (`ParamStore`): the parameters and Adam's two moments (`FLAT_BUFFERS`); with Muon a
 fourth, its momentum (`MUON_BUFFER`, zero where AdamW updates, as Adam's moments are
-zero on Muon's matrices: optim/muon.py). A *range* is a half-open [lo, hi) of that
+zero on Muon's matrices: muon/muon.py). A *range* is a half-open [lo, hi) of that
 layout. The optimizer keeps each buffer on one range: the moments on the slice [lo, hi)
 it updates, the parameters on the whole stage (every replica holds them) or, under
 ZeRO-3, on the same slice. `buffers` names the ones this optimizer keeps.

@@ -16,14 +16,14 @@ from dataclasses import replace
 
 from numpitron.cli import configs_from_args, training_parser
 from numpitron.layout import check_layout
-from numpitron.distributed.stages import StagePlacement
+from numpitron.pipeline_parallel.placement import StagePlacement
 from numpitron.distributed.topology import resolve_mesh
 from numpitron.errors import UserError, exit_with_one_line
 from numpitron.plan.accounting import Rank
 from numpitron.plan.layer_sizes import layer_elements
 from numpitron.plan.experts import moe_block_elements
 from numpitron.plan.devices import load_device
-from numpitron.parallel.schedules import placement_of
+from numpitron.pipeline_parallel.schedules import placement_of
 from numpitron.plan.predict import plan
 
 

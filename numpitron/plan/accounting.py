@@ -12,12 +12,12 @@ these figures.
 from dataclasses import dataclass
 
 from numpitron.distributed.sharding import pad_to_multiple, pieces_of_range
-from numpitron.distributed.stages import StagePlacement
+from numpitron.pipeline_parallel.placement import StagePlacement
 from numpitron.plan.collective_bytes import all_reduce_bytes as _all_reduce, half_bytes as _half
 from numpitron.plan.experts import expert_elements, expert_gradient_traffic, moe_traffic
 from numpitron.plan.layer_sizes import block_piece, layer_elements, layer_parameter_sizes, muon_elements
-from numpitron.precision import FORMATS
-from numpitron.parallel.schedules import placement_of
+from numpitron.precision.formats import FORMATS
+from numpitron.pipeline_parallel.schedules import placement_of
 
 F64 = 8          # the loss and the squared gradient norm travel as one float64
 
@@ -165,7 +165,7 @@ def state_bytes(model, parallel, rank: Rank, optimizer: str = "adamw", precision
     low format, 2 bytes; the optimizer state 12 bytes an element of its slice, the fp32
     master weights and both fp32 moments (Muon is fp32 only). Experts (docs/11-experts.md):
     a second buffer, E/ep experts of each MoE block, sharded the same way over the
-    expert_dp ranks of one replica (cp x S / ep), at stage 2 under ZeRO-3 (parallel/optimizer.py)."""
+    expert_dp ranks of one replica (cp x S / ep), at stage 2 under ZeRO-3 (optim/factory.py)."""
     fmt = FORMATS[precision]
     # state_item: bytes per moment element (optimizer_state_elements counts two an element):
     # mixed, (4 master + 4 m + 4 v) / 2.
@@ -222,7 +222,7 @@ def comm_calls(model, parallel, train, rank: Rank) -> dict:
 
 
 def gradient_buckets(model, rank: Rank, bucket_size: int, padding: int = 0, experts: bool = False) -> int:
-    """Buckets of the data-parallel reduction (parallel/data_parallel.py): walking this
+    """Buckets of the data-parallel reduction (data_parallel/buckets.py): walking this
     stage's flat buffer (token embedding, positions, blocks, ln_f; or, `experts`, the
     expert buffer: E/ep experts of each MoE block) from the end, one is cut at a
     parameter's start once it holds bucket_size elements (the padding rides in the
@@ -261,7 +261,7 @@ def comm_traffic(model, parallel, train, rank: Rank) -> dict:
             was = out.get(key, (0.0, 0))
             out[key] = (was[0] + nbytes, was[1] + calls)
     if tp > 1:                       # per micro-batch, then times m
-        if sp:       # gathers and reduce-scatters along the sequence (nn/regions.py)
+        if sp:       # gathers and reduce-scatters along the sequence (tensor_parallel/regions.py)
             gathers = L * (6 + 2 * full) + (1 if rank.first else 0) + (2 if rank.last else 0)
             scatters = L * (4 + 2 * full) + (1 if rank.first else 0) + (1 if rank.last else 0)
             add("tp.all_gather", m * gathers * _half(act, tp), m * gathers)
@@ -314,7 +314,7 @@ def comm_traffic(model, parallel, train, rank: Rank) -> dict:
 
 def _zero3_elements_moved(model, rank: Rank, m: int, padded: int) -> tuple[int, int]:
     """Elements this rank receives in ZeRO-3's all-gathers and sends away in its
-    reduce-scatters in one step (parallel/zero3.py): every unit's elements outside this
+    reduce-scatters in one step (data_parallel/zero3.py): every unit's elements outside this
     rank's slice; the root (embeddings and final LayerNorm, with the padding) once,
     each block in m forwards and m backwards (gathered twice, reduced once). A single
     stage (ZeRO-3 refuses pipelines): the root is the head and the tail of the buffer."""

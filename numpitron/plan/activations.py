@@ -5,10 +5,10 @@ plan/accounting.py's `Rank`."""
 
 from numpitron.distributed.sharding import pad_to_multiple
 from numpitron.nn.activation_memory import block_activation_bytes
-from numpitron.parallel.schedules import BACKWARD, FORWARD, WEIGHT_GRAD, make_schedule
+from numpitron.pipeline_parallel.schedules import BACKWARD, FORWARD, WEIGHT_GRAD, make_schedule
 from numpitron.plan.accounting import Rank
 from numpitron.plan.experts import moe_activation_delta
-from numpitron.precision import FORMATS
+from numpitron.precision.formats import FORMATS
 
 
 def chunk_activation_bytes(model, parallel, train, rank: Rank, chunk: int = 0) -> int:

@@ -10,7 +10,7 @@ from numpitron.distributed.topology import Topology
 from numpitron.nn.block import Block
 from numpitron.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from numpitron.nn.head import LanguageModelHead
-from numpitron.optim.muon import is_hidden_matrix, matrix_shape
+from numpitron.muon.muon import is_hidden_matrix, matrix_shape
 from numpitron.plan.experts import moe_layer_params, moe_layer_sizes
 
 
@@ -45,7 +45,7 @@ def block_piece(model, index: int) -> str:
 @cache
 def matrix_spans(model, tp: int) -> dict:
     """{piece: (its elements on one tp rank, the [start, stop) within it of each matrix
-    Muon updates (optim/muon.py: `is_hidden_matrix`), in the order of the flat buffer)}
+    Muon updates (muon/muon.py: `is_hidden_matrix`), in the order of the flat buffer)}
     for a block and, with experts, an MoE block's dense part and one expert; each span
     with the matrix's whole (A, B) shape."""
     pieces = {"block": Block("blocks.0", model.d_model, model.n_heads, model.n_layers, Topology(None, tp, 1, 1)).parameters(),

@@ -12,8 +12,8 @@ on a full-duplex link (Device.full_duplex) a ring's send and receive travel at o
 timeline (pipeline_transfer_time).
 """
 
-from numpitron.parallel.schedules import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, make_schedule
-from numpitron.parallel.timeline import simulate
+from numpitron.pipeline_parallel.schedules import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, make_schedule
+from numpitron.pipeline_parallel.timeline import simulate
 
 
 def mesh_sizes(mesh) -> tuple[int, int, int, int, int]:
@@ -150,7 +150,7 @@ def point_to_point_time(group: str, comm: dict, calls: dict, rank, mesh, device)
 def pipeline_transfer_time(parallel, pp: int, m: int, placement, stage_compute: list, message: float, mesh,
                            device) -> float:
     """Seconds a pipeline's messages add to its step on links: the schedule's timeline
-    (parallel/timeline.py) with each stage's micro-batch at its priced time (a forward
+    (pipeline_parallel/timeline.py) with each stage's micro-batch at its priced time (a forward
     a third, a backward two thirds, as UNIT_COST has it) and each message of `message`
     bytes crossing the link between its two stages (alpha + bytes / beta of that tier,
     one message at a time on each link), less the same timeline with free messages.

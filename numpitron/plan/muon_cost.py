@@ -3,7 +3,7 @@ Newton-Schulz iterations on the owner ranks, how unevenly the owners share them,
 the bytes of the gathers and scatters that bring each matrix to its owner and its
 step back, from the configs and the mesh alone.
 
-FLOPs. optim/muon.py iterates on X of shape m x n with m <= n (a tall matrix is
+FLOPs. muon/muon.py iterates on X of shape m x n with m <= n (a tall matrix is
 transposed first, so that the Gram matrix is the smaller one). One quintic step is
 three matrix products and two element-wise combinations:
 
@@ -16,7 +16,7 @@ element-wise terms, O(m n), are left out). On the default model's four blocks th
 2.35 GFLOP a step, whatever the batch.
 
 Owners: `balanced_owners` deals the matrices over the tp x g ranks of a stage (g the
-ZeRO group, 1 without ZeRO) by elements, as parallel/muon_owners.py does, so the
+ZeRO group, 1 without ZeRO) by elements, as muon/owners.py does, so the
 FLOPs, which grow as m^2 n, may be shared less evenly: `imbalance` is the busiest
 owner's FLOPs over the mean. Every rank waits for the busiest owner in the scatter.
 
@@ -25,12 +25,12 @@ ZeRO gather a rank sends its piece of each matrix whose owner is another ZeRO ra
 in the ZeRO scatter an owner's ZeRO rank sends each matrix's shard but its own piece;
 in the tp gather the owner's tp peers send their shards, and in the tp scatter the
 owner sends tp - 1 shards. Summed over a stage's ranks that is the formula of
-parallel/muon_owners.py, 2 b sum_k [(E_k - tp c_k) + E_k (tp - 1) / tp].
+muon/owners.py, 2 b sum_k [(E_k - tp c_k) + E_k (tp - 1) / tp].
 """
 
 from numpitron.distributed.sharding import pad_to_multiple, pieces_of_range
-from numpitron.optim.muon import NS_STEPS
-from numpitron.parallel.muon_owners import balanced_owners
+from numpitron.muon.muon import NS_STEPS
+from numpitron.muon.owners import balanced_owners
 from numpitron.plan.accounting import Rank, parameter_elements
 from numpitron.plan.kernels import Work
 from numpitron.plan.layer_sizes import stage_matrices

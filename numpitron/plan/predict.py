@@ -28,7 +28,7 @@ timeline (links.pipeline_transfer_time) instead of their sum.
 
 Pipelines: m micro-batches' stage time stretched by the schedule's bubble b, m t / (1 - b):
 (m + p - 1) t for GPipe and 1F1B; b from the unit-cost timeline of the schedule
-(parallel/schedules.py: interleaved and zero-bubble shrink it). With ranks sharing
+(pipeline_parallel/schedules.py: interleaved and zero-bubble shrink it). With ranks sharing
 cores, a rank idle in the bubble lends its core to the others, so the stretch is
 max(share, 1 / (1 - b)) over the share alone.
 
@@ -47,14 +47,14 @@ Each choice is an estimate, stated so that its error can be read off.
 """
 
 from numpitron.distributed.sharding import pad_to_multiple
-from numpitron.parallel.schedules import placement_of
-from numpitron.parallel.timeline import ideal_bubble
+from numpitron.pipeline_parallel.schedules import placement_of
+from numpitron.pipeline_parallel.timeline import ideal_bubble
 from numpitron.plan.accounting import (Rank, comm_bytes, comm_calls, gradient_buckets, parameter_elements,
                                        state_bytes)
 from numpitron.plan.activations import peak_activation_bytes
 from numpitron.plan.experts import moe_block_work, moe_flops_delta
 from numpitron.plan.flops import hardware_flops, model_flops
-from numpitron.precision import FORMATS
+from numpitron.precision.formats import FORMATS
 from numpitron.plan.links import (expert_size, groups_across_hosts, link_tier, link_time, mesh_sizes,
                                   pipeline_transfer_time, point_to_point_time)
 from numpitron.plan.kernels import Work, block_work, embedding_work, head_work, optimizer_work

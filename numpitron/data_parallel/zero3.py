@@ -35,14 +35,14 @@ stage; config.py refuses it (as Megatron-LM and DeepSpeed do).
 
 Experts: only the dense store is gathered layer by layer. A MoE block's experts live in
 the other store, whole on the ranks that hold them (their ep rank's share, E/ep
-experts), with ZeRO-2's sharded gradients and state over expert_dp (parallel/optimizer.py).
+experts), with ZeRO-2's sharded gradients and state over expert_dp (optim/factory.py).
 """
 
 import numpy as np
 
-from numpitron.optim.distributed import DistributedOptimizer, GradientGroup
+from numpitron.data_parallel.distributed_optimizer import DistributedOptimizer, GradientGroup
 from numpitron.optim.training_state import TrainingState
-from numpitron.parallel.zero import OwnedSlice
+from numpitron.data_parallel.zero import OwnedSlice
 
 ROOT = -1
 
@@ -116,7 +116,7 @@ class ZeroThreeOptimizer(DistributedOptimizer):
 
 
 class LayerGatherer:
-    """The residency hooks (nn/residency.py) of ZeRO-3 for one GPTStage."""
+    """The residency hooks (data_parallel/residency.py) of ZeRO-3 for one GPTStage."""
 
     def __init__(self, model, optimizer):
         store = model.store
@@ -129,7 +129,7 @@ class LayerGatherer:
         self.units = {ROOT: Unit([p for p in store.params if id(p) not in in_blocks], store.offsets,
                                  store.numel, store.size)}
         for k, block in enumerate(block_layers):
-            # a MoE block's experts are in the other store, never gathered (parallel/optimizer.py)
+            # a MoE block's experts are in the other store, never gathered (optim/factory.py)
             mine = [p for p in block.parameters() if p.name in store.offsets]
             self.units[k] = Unit(mine, store.offsets, store.numel, store.size)
         self.unit_of_layer = [block_layers.index(layer) if layer in block_layers else ROOT

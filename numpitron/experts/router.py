@@ -39,7 +39,7 @@ by, and it has no gradient. After each step every rank moves it by
 same bias everywhere.
 
 Split sequences (context parallelism: a rank holds T/cp of each sequence's tokens, at
-the positions distributed/zigzag.py gives it). Each rank routes its own tokens; the
+the positions context_parallel/zigzag.py gives it). Each rank routes its own tokens; the
 per-sequence statistics need the rest. The capacity's queue positions and f need every
 earlier choice of the sequence: the choices (B x T/cp x k integers) are all-gathered
 over cp and laid out in position order, so every rank counts exactly what one process
@@ -47,7 +47,7 @@ counts. P needs the probabilities summed over the sequence: an all-reduce of B x
 numbers. The aux gradient of a token needs f only, which every rank now has; it is
 scaled by 1/(B * T/cp), the rank's own tokens, like its cross-entropy (the gradients
 are then averaged over dp x cp). Under sequence parallelism the router sees the whole
-(cp-local) sequence on every tp rank (nn/moe.py gathers it), and computes its weight
+(cp-local) sequence on every tp rank (experts/moe.py gathers it), and computes its weight
 gradient from this rank's part only: finalize_grads sums it over tp.
 """
 
@@ -57,10 +57,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from numpitron.distributed.comm import Comm, CommStats
-from numpitron.distributed.zigzag import local_positions
+from numpitron.context_parallel.zigzag import local_positions
 from numpitron.nn.layer import Layer, rows
 from numpitron.nn.param import Param
-from numpitron.nn.regions import ReplicatedRegion
+from numpitron.tensor_parallel.regions import ReplicatedRegion
 
 
 @dataclass

@@ -29,9 +29,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from numpitron.distributed.zigzag import Chunk
+from numpitron.context_parallel.zigzag import Chunk
 from numpitron.nn.functional import softmax_lastdim_with_lse_
-from numpitron.precision import FORMATS
+from numpitron.precision.formats import FORMATS
 
 _MASKS = {}
 # Query rows per tile. Smaller tiles skip more of the masked triangle but make the

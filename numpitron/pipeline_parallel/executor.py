@@ -1,4 +1,4 @@
-"""Pipeline parallelism: one executor for every schedule (parallel/schedules.py).
+"""Pipeline parallelism: one executor for every schedule (pipeline_parallel/schedules.py).
 
 A schedule is plain data a reader can print: per stage, a list of operations
 (F, BW, or the halves B and W; micro-batch; chunk). The executor walks this rank's
@@ -8,7 +8,7 @@ sent as soon as they exist (non-blocking Isend, completed at the end of the
 iteration): a schedule whose dependencies `timeline.simulate` can run to the end
 cannot deadlock here, because the receives are the only waits.
 
-The model's `placement` (distributed/stages.py) says which rank holds each virtual
+The model's `placement` (pipeline_parallel/placement.py) says which rank holds each virtual
 stage: activations go from j to j+1, gradients from j+1 to j, around the ring of pp
 ranks when interleaving, down and back up the V in ZB-V and DualPipeV. Where both
 stages live on this rank (the bottom of the V) the array is handed over in memory, not
@@ -23,7 +23,7 @@ import numpy as np
 from numpitron.config import ONE_F_ONE_B, SPLIT_BACKWARD
 from numpitron.errors import UserError
 from numpitron.nn.layer import cache_nbytes, splits_backward
-from numpitron.parallel.schedules import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, make_schedule
+from numpitron.pipeline_parallel.schedules import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, make_schedule
 
 ACTIVATION, GRADIENT = 0, 1            # what a message between virtual stages carries
 

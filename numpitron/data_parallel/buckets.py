@@ -14,8 +14,8 @@ PyTorch DDP, Megatron-LM and picotron do; across hosts it hides most of the redu
 
 from dataclasses import replace
 
-from numpitron.distributed.hierarchical import hierarchical_all_reduce
-from numpitron.optim.distributed import DistributedOptimizer, GradientGroup
+from numpitron.data_parallel.hierarchical import hierarchical_all_reduce
+from numpitron.data_parallel.distributed_optimizer import DistributedOptimizer, GradientGroup
 from numpitron.optim.grad_norm import clip_, global_grad_sumsq
 from numpitron.optim.training_state import TrainingState
 
@@ -92,7 +92,7 @@ class DataParallelOptimizer(DistributedOptimizer):
 
 class HierarchicalDataParallelOptimizer(DataParallelOptimizer):
     """`--hierarchical-all-reduce`: plain data parallelism whose gradients are summed in
-    two levels (distributed/hierarchical.py) over HSDP's groups, dp_shard inside a host
+    two levels (data_parallel/hierarchical.py) over HSDP's groups, dp_shard inside a host
     and dp_replica across hosts, in one call after the backward instead of MPI's
     all-reduce bucket by bucket during it. The store is padded to a multiple of the
     shard group so the host's slices are equal."""

@@ -129,7 +129,7 @@ class SequenceParallelRegion(ReplicatedRegion):
 
 class DeferredSumRegion(ReplicatedRegion):
     """Activations whole on every tp rank, as in ReplicatedRegion, but the caller makes
-    "f" and "g" itself, once for several layers: the experts of nn/experts.py, one
+    "f" and "g" itself, once for several layers: the experts of experts/local_experts.py, one
     all-reduce for all the local experts' rows. The layers leave their partial sums."""
 
     def input_grad(self, dx):

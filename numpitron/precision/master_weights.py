@@ -8,7 +8,7 @@ copy it accumulates until it shows.
 `MasterWeightAdam` has AdamW's interface, so every optimizer (ZeRO 0 to 3) keeps its
 update unchanged: it hands over the slice of the low-format parameters it owns, and the
 master copy of that slice is what the update rule moves. The rule is AdamW, or any rule
-with its interface: Muon (optim/muon.py) keeps its momentum in fp32 and runs Newton-Schulz
+with its interface: Muon (muon/muon.py) keeps its momentum in fp32 and runs Newton-Schulz
 on the fp32 master's gradients, which `step_mixed` has already divided by the loss scale. `step_mixed` is `step_together` with the
 gradients rounded to the low format, unscaled, and checked for overflow.
 """

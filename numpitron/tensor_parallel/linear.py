@@ -10,14 +10,14 @@ in forward: Megatron's "g". Its bias is replicated and added once, after the sum
 
 Put together (column then row), an MLP or an attention layer costs one all-reduce
 forward and one backward. With sequence parallelism the same two points become an
-all-gather and a reduce-scatter each (nn/regions.py decides which; the layers ask it).
+all-gather and a reduce-scatter each (tensor_parallel/regions.py decides which; the layers ask it).
 """
 
-from numpitron.nn.fp8 import PLAIN
+from numpitron.precision.fp8 import PLAIN
 from numpitron.nn.functional import column_sums
 from numpitron.nn.layer import Layer, rows
 from numpitron.nn.param import Param
-from numpitron.nn.regions import ReplicatedRegion
+from numpitron.tensor_parallel.regions import ReplicatedRegion
 
 
 class ColumnParallelLinear(Layer):
@@ -39,7 +39,7 @@ class ColumnParallelLinear(Layer):
         tp = dict(tp_rank=topo.tp_rank, tp_size=topo.tp)
         self.weight = Param(f"{name}.weight", shape, split_axis=len(shape) - 1, std=std, **tp)
         self.bias = Param(f"{name}.bias", bias_shape, split_axis=len(bias_shape) - 1, init="zeros", decay=False, **tp)
-        self.matmul = PLAIN             # --precision fp8 installs its own (nn/fp8.py)
+        self.matmul = PLAIN             # --precision fp8 installs its own (precision/fp8.py)
 
     def parameters(self) -> list[Param]:
         return [self.weight, self.bias]

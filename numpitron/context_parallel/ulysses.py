@@ -9,7 +9,7 @@ head group s, receive block s is rank s's tokens of this rank's head group. Atte
 then needs nothing from the other members, and a second all-to-all turns its output
 back. The backward is the same two exchanges, the other way round.
 
-The members' tokens are zigzag chunks (distributed/zigzag.py), so the received rows are
+The members' tokens are zigzag chunks (context_parallel/zigzag.py), so the received rows are
 not in position order. The U consecutive cp ranks of group g hold the chunks
 gU .. gU+U-1 and, mirrored, 2cp-U(g+1) .. 2cp-1-gU: two contiguous runs, which are
 exactly chunks g and 2R-1-g of the zigzag split of the sequence over R = cp/U groups.
@@ -22,7 +22,7 @@ Ulysses (R = 1: the ring is one step over the whole sequence), U = 1 the ring al
 
 import numpy as np
 
-from numpitron.distributed.zigzag import zigzag_chunks
+from numpitron.context_parallel.zigzag import zigzag_chunks
 
 
 def group_rows(local_len: int, cp: int, ulysses: int, cp_rank: int) -> list[tuple[int, slice, slice]]:

@@ -29,10 +29,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from numpitron.nn.residency import AlwaysResident
+from numpitron.data_parallel.residency import AlwaysResident
 from numpitron.optim.adamw import AdamW
-from numpitron.optim.master_weights import MasterWeightAdam
-from numpitron.precision import FORMATS, wires
+from numpitron.precision.master_weights import MasterWeightAdam
+from numpitron.precision.formats import FORMATS, wires
 
 
 class GradientGroup(NamedTuple):
@@ -82,7 +82,7 @@ class DistributedOptimizer:
 
     def use_rule(self, rule) -> None:
         """Replace AdamW by another rule with its interface over the same slice (Muon:
-        parallel/muon_owners.py); the checkpoint layout follows it. A mixed-precision run
+        muon/owners.py); the checkpoint layout follows it. A mixed-precision run
         keeps its fp32 master copy: the new rule moves it."""
         if self.precision.mixed:
             self.adam.adam = rule
@@ -115,7 +115,7 @@ class DistributedOptimizer:
         return 0, 0
 
     def residency(self, model):
-        """Where the model's parameters live during a pass (nn/residency.py): whole."""
+        """Where the model's parameters live during a pass (data_parallel/residency.py): whole."""
         return AlwaysResident()
 
     def zero_grad(self) -> None:

@@ -2,9 +2,9 @@
 expert MLPs and a router; each token goes to its top k experts and comes back as the
 gate-weighted sum of their outputs.
 
-    route      router: chosen experts, gates, kept (nn/router.py)
+    route      router: chosen experts, gates, kept (experts/router.py)
     dispatch   kept (token, expert) pairs sorted by expert; all-to-all over ep
-    experts    each local expert's MLP on its rows (nn/experts.py; tp inside)
+    experts    each local expert's MLP on its rows (experts/local_experts.py; tp inside)
     combine    all-to-all back; y[t] = sum over t's kept choices j of gate[t, j] * out[t, j]
 
 Shared experts (DeepSeekMoE, Dai et al. 2024, eq. 9): N dense experts every token
@@ -13,7 +13,7 @@ N times the experts' hidden width (N MLPs side by side are one MLP N times as wi
 their output biases one bias), replicated over dp like any dense layer.
 
 Split sequences. Under context parallelism a rank's tokens are T/cp of each sequence:
-it routes them, and the router (nn/router.py) gathers what the per-sequence statistics
+it routes them, and the router (experts/router.py) gathers what the per-sequence statistics
 need; the ep group is carved out of dp x cp (distributed/topology.py), so tokens of
 any rank travel to any rank's experts alike. Under sequence parallelism a tp rank holds
 T/tp of the (cp-local) sequence, but the experts are split over tp and need their rows
@@ -34,12 +34,12 @@ combine. The router gets dL/dgate[t, j] = dy[t] . out[t, j] for kept choices.
 import numpy as np
 
 from numpitron.distributed.sharding import shard_bounds
-from numpitron.nn.experts import LocalExperts
+from numpitron.experts.local_experts import LocalExperts
 from numpitron.nn.layer import Layer, rows
 from numpitron.nn.mlp import ParallelMLP
-from numpitron.nn.regions import ReplicatedRegion
-from numpitron.nn.router import TopKRouter
-from numpitron.nn.token_dispatch import AllToAllDispatcher
+from numpitron.tensor_parallel.regions import ReplicatedRegion
+from numpitron.experts.router import TopKRouter
+from numpitron.experts.token_dispatch import AllToAllDispatcher
 
 
 class RoutingLog:
@@ -75,7 +75,7 @@ class MixtureOfExperts(Layer):
                  capacity_factor: float, aux_loss_coef: float, loss_weight: float = 1.0,
                  block: int = 0, log: RoutingLog | None = None, balance_bias: np.ndarray | None = None,
                  shared_experts: int = 0, expert_hidden: int = 0, region=None):
-        """balance_bias: the router's (E,) bias (nn/router.py), None with the aux loss;
+        """balance_bias: the router's (E,) bias (experts/router.py), None with the aux loss;
         expert_hidden: every expert's hidden width (0: 4C); region: the block's tp region
         (the dense MLP's: under sp the layer gathers its input along the sequence with it,
         and the shared experts use it as the dense MLP does)."""

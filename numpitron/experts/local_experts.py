@@ -6,7 +6,7 @@ Input: every token that chose one of the local experts, whole on every tp rank (
 router is replicated, so every tp rank routes alike), grouped expert by expert
 (`counts[e]` rows for local expert e). Each rank computes its 4C/tp slice of every
 expert's hidden layer and a partial sum of every output row. Megatron's "g" and "f"
-(nn/regions.py) are done once for all the local experts, not once per expert: one
+(tensor_parallel/regions.py) are done once for all the local experts, not once per expert: one
 all-reduce over tp of all the output rows in the forward, and one of all the input
 gradients in the backward. The row-parallel biases are added after the sum, once.
 
@@ -19,7 +19,7 @@ import numpy as np
 
 from numpitron.nn.layer import Layer
 from numpitron.nn.mlp import ParallelMLP
-from numpitron.nn.regions import DeferredSumRegion
+from numpitron.tensor_parallel.regions import DeferredSumRegion
 
 
 class LocalExperts(Layer):

@@ -11,7 +11,7 @@ A rank holds v chunks ("virtual stages", Narayanan et al. 2021, §2.2.2): chunk 
 pp rank r is virtual stage c*p + r of a pipeline of p*v, so a micro-batch visits
 every rank v times. Without interleaving v = 1 and every chunk is 0. The V-shaped
 schedules place rank r's two chunks at virtual stages r and 2p-1-r instead
-(distributed/stages.py holds both placements).
+(pipeline_parallel/placement.py holds both placements).
 
   GPipe (Huang et al. 2019): all m forwards, then all m backwards.
   1F1B (PipeDream-Flush, Narayanan et al. 2021, Fig. 4): three phases. Warm-up:
@@ -27,14 +27,14 @@ schedules place rank r's two chunks at virtual stages r and 2p-1-r instead
       and the W passes fill the bubble 1F1B leaves at the end of the iteration.
   ZB-V and DualPipeV (`zb_v`, `dualpipe_v` below): two chunks per rank in a V.
 
-parallel/timeline.py runs these lists in time (`simulate`): it proves a schedule
+pipeline_parallel/timeline.py runs these lists in time (`simulate`): it proves a schedule
 complete and deadlock-free and gives its ideal bubble.
 """
 
 from typing import NamedTuple
 
 from numpitron.config import DUALPIPE_V, GPIPE, INTERLEAVED, ONE_F_ONE_B, V_SHAPED, ZB_V, ZERO_BUBBLE
-from numpitron.distributed.stages import StagePlacement
+from numpitron.pipeline_parallel.placement import StagePlacement
 
 FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = "F", "BW", "B", "W"
 

@@ -28,10 +28,10 @@ import numpy as np
 
 from numpitron.distributed.sharding import piece_in_slice, pieces_of_range, shard_bounds
 from numpitron.nn.param import mask_runs
-from numpitron.optim.distributed import DistributedOptimizer, GradientGroup
+from numpitron.data_parallel.distributed_optimizer import DistributedOptimizer, GradientGroup
 from numpitron.optim.grad_norm import clip_, global_grad_sumsq
 from numpitron.optim.training_state import TrainingState
-from numpitron.parallel.data_parallel import GradientBuckets
+from numpitron.data_parallel.buckets import GradientBuckets
 
 
 class OwnedSlice:

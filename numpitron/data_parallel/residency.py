@@ -1,7 +1,7 @@
 """Where a stage's parameters live while a pass runs.
 
 Normally every rank holds its whole stage, so there is nothing to do: this class.
-ZeRO-3 (parallel/zero3.py) keeps only a 1/dp slice and replaces it with one that
+ZeRO-3 (data_parallel/zero3.py) keeps only a 1/dp slice and replaces it with one that
 gathers each layer's parameters just before the layer runs and frees them after.
 The stage calls the same four hooks either way (one code path):
 

@@ -7,7 +7,7 @@ the whole shard and g counts as 1). Newton-Schulz needs all of W at once, so per
 
   1. gather over the ZeRO group: each shard's pieces to the owner's ZeRO rank;
   2. gather over tp: the shards to the owner, which now holds W whole;
-  3. the owner iterates (optim/muon.py);
+  3. the owner iterates (muon/muon.py);
   4. scatter over tp, 5. scatter over the ZeRO group: each rank receives the update of
      exactly the elements it holds, and applies it there.
 
@@ -29,7 +29,7 @@ import numpy as np
 
 from numpitron.distributed.comm import Comm
 from numpitron.distributed.sharding import pieces_of_range
-from numpitron.optim.muon import Muon, matrix_pieces, orthogonalised
+from numpitron.muon.muon import Muon, matrix_pieces, orthogonalised
 
 
 def balanced_owners(sizes: list[int], ranks: int) -> list[int]:

@@ -18,7 +18,7 @@ Newton-Schulz needs the whole matrix: its products mix every element with every 
 so the element-wise slicing that lets ZeRO run AdamW on any 1/dp of a flat buffer does
 not work here. `Muon` therefore receives an `orthogonalise` function that takes this
 rank's pieces of every hidden matrix and returns their pieces of the update; on one
-process it is `newton_schulz` matrix by matrix, on a mesh `parallel/muon_owners.py`
+process it is `newton_schulz` matrix by matrix, on a mesh `muon/owners.py`
 gathers each matrix on one owner rank (docs/07-zero-2-and-3.md, "Muon needs whole
 matrices").
 """

@@ -1,11 +1,11 @@
 """The one place that picks the optimizer for a ZeRO stage (interface:
-numpitron/optim/distributed.py)."""
+numpitron/data_parallel/distributed_optimizer.py)."""
 
-from numpitron.optim.distributed import GradientGroup
-from numpitron.parallel.data_parallel import DataParallelOptimizer, HierarchicalDataParallelOptimizer
-from numpitron.parallel.muon_owners import use_muon
-from numpitron.parallel.zero import ZeroOneOptimizer, ZeroTwoOptimizer
-from numpitron.parallel.zero3 import ZeroThreeOptimizer
+from numpitron.data_parallel.distributed_optimizer import GradientGroup
+from numpitron.data_parallel.buckets import DataParallelOptimizer, HierarchicalDataParallelOptimizer
+from numpitron.muon.owners import use_muon
+from numpitron.data_parallel.zero import ZeroOneOptimizer, ZeroTwoOptimizer
+from numpitron.data_parallel.zero3 import ZeroThreeOptimizer
 
 OPTIMIZERS = {0: DataParallelOptimizer, 1: ZeroOneOptimizer, 2: ZeroTwoOptimizer, 3: ZeroThreeOptimizer}
 
@@ -29,7 +29,7 @@ def make_optimizers(model, topo, train_cfg, parallel_cfg) -> list:
     averaged over dp x cp, then the experts, if any, averaged over expert_dp; both
     sharded the same way (ZeRO stage) over their own group, except that under ZeRO-3
     the experts stay at stage 2: the layer-by-layer gathering is the dense store's
-    (parallel/zero3.py), and an ep rank holds only its E/ep experts whole anyway."""
+    (data_parallel/zero3.py), and an ep rank holds only its E/ep experts whole anyway."""
     groups = [GradientGroup.dense(topo), GradientGroup.experts(topo)]
     stages = [parallel_cfg.zero_stage, min(parallel_cfg.zero_stage, 2)]
     return [make_optimizer(store, topo, train_cfg, parallel_cfg, group, stage)

@@ -4,7 +4,7 @@
 A run in bf16 or fp16 keeps three things in the low format and everything else in fp32:
 
   parameters    what the layers multiply by: the fp32 master weights rounded after every
-                update (optim/master_weights.py keeps the master copy, fp32 Adam moments);
+                update (precision/master_weights.py keeps the master copy, fp32 Adam moments);
   activations   what each layer produces (nn/layer.py, Layer.precision) and keeps for its
                 backward, in 2-byte arrays; the gradient handed between layers (model.py);
   gradients     what the optimizer receives, after the reduction over dp.
@@ -39,7 +39,7 @@ class Format:
     name: str
     dtype: np.dtype         # the low format's NumPy dtype
     loss_scale: float       # the default initial loss scale (1: none needed)
-    fp8_matmuls: bool = False   # the linear layers' products in FP8 (nn/fp8.py)
+    fp8_matmuls: bool = False   # the linear layers' products in FP8 (precision/fp8.py)
 
     @property
     def itemsize(self) -> int:
@@ -86,7 +86,7 @@ FORMATS = {
     "bf16": Format("bf16", np.dtype(ml_dtypes.bfloat16), 1.0),
     "fp16": Format("fp16", np.dtype(np.float16), 2.0 ** 16),
     # FP8 (Micikevicius et al. 2022): the linear layers' operands in E4M3 and E5M2 with
-    # per-tensor scales (nn/fp8.py); everything else, as in Transformer Engine, in bf16.
+    # per-tensor scales (precision/fp8.py); everything else, as in Transformer Engine, in bf16.
     "fp8": Format("fp8", np.dtype(ml_dtypes.bfloat16), 1.0, fp8_matmuls=True),
 }
 PRECISIONS = tuple(FORMATS)

@@ -1,4 +1,4 @@
-"""Pipeline schedules in time: each stage runs its list (parallel/schedules.py) in
+"""Pipeline schedules in time: each stage runs its list (pipeline_parallel/schedules.py) in
 order, every operation as soon as what it depends on has finished.
 
 `simulate` runs a schedule's dependencies with unit costs: it proves a schedule
@@ -10,8 +10,8 @@ is the planner's pipeline on links (plan/links.py).
 from fractions import Fraction
 from functools import lru_cache
 
-from numpitron.distributed.stages import StagePlacement
-from numpitron.parallel.schedules import (BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Op, make_schedule,
+from numpitron.pipeline_parallel.placement import StagePlacement
+from numpitron.pipeline_parallel.schedules import (BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Op, make_schedule,
                                           placement_of)
 
 # Relative costs for the ideal timeline: the input and the weight halves each cost
