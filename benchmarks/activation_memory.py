@@ -24,7 +24,7 @@ from mpi4py import MPI  # noqa: E402
 from numpitron.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from numpitron.distributed.topology import Topology  # noqa: E402
 from numpitron.nn.activation_memory import block_activation_bytes  # noqa: E402
-from numpitron.nn.layer import cache_nbytes  # noqa: E402
+from numpitron.nn.cache_bytes import cache_nbytes  # noqa: E402
 from numpitron.trainer import Trainer  # noqa: E402
 
 

@@ -29,8 +29,8 @@ from mpi4py import MPI  # noqa: E402
 from numpitron.distributed.topology import Topology  # noqa: E402
 from numpitron.nn import attention as attention_module  # noqa: E402
 from numpitron.nn.attention import ParallelAttention  # noqa: E402
-from numpitron.nn.layer import cache_nbytes  # noqa: E402
-from numpitron.nn.param import ParamStore  # noqa: E402
+from numpitron.nn.cache_bytes import cache_nbytes  # noqa: E402
+from numpitron.nn.param_store import ParamStore  # noqa: E402
 from numpitron.context_parallel.zigzag import contiguous_chunks, zigzag_chunks  # noqa: E402
 
 SPLITS = {"zigzag": zigzag_chunks, "contiguous": contiguous_chunks}
@@ -59,12 +59,12 @@ def measure(attn, x, dy, reps: int) -> dict:
         busy_s.append(busy["s"])
         wall_s.append(time.perf_counter() - start)
     T, cp = x.shape[1], attn.cp.size
-    size = T // 2 if attn.chunks is zigzag_chunks else T
+    size = T // 2 if attn.ring.chunks is zigzag_chunks else T
     pairs = set()                 # a chunk pair is computed when any of its query tiles sees a key of it
     for step, groups in enumerate(cache["groups"]):
         owner = (attn.cp_rank - step) % cp
         for group in groups:
-            for kc in attn.chunks(T, cp, owner):
+            for kc in attn.ring.chunks(T, cp, owner):
                 if kc.start < group.key_end:
                     q_chunk = group.queries.position // size
                     pairs.add((step, q_chunk, kc.position // size, kc.position // size == q_chunk))
@@ -128,7 +128,7 @@ def main():
     x, dy = (rng.standard_normal(local).astype(np.float32) for _ in range(2))
     results = {}
     for split, chunks in SPLITS.items():
-        attn.chunks = chunks
+        attn.ring.chunks = chunks
         results[split] = world.gather(measure(attn, x, dy, args.reps), root=0)
     if world.Get_rank() != 0:
         return

@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 from numpitron.distributed.topology import Topology  # noqa: E402
 from numpitron.experts.local_experts import LocalExperts  # noqa: E402
 from numpitron.nn.functional import bias_gelu_forward, gelu_backward_  # noqa: E402
-from numpitron.nn.param import ParamStore  # noqa: E402
+from numpitron.nn.param_store import ParamStore  # noqa: E402
 
 
 def library_experts(E: int, C: int, H: int, dtype) -> LocalExperts:

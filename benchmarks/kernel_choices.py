@@ -43,7 +43,7 @@ from numpitron.context_parallel import blockwise_attention  # noqa: E402
 from numpitron.nn.attention import ParallelAttention  # noqa: E402
 from numpitron.nn.functional import bias_gelu_forward, gelu_backward_, row_tiles, rows_per_tile  # noqa: E402
 from numpitron.nn.layernorm import LayerNorm  # noqa: E402
-from numpitron.nn.param import ParamStore  # noqa: E402
+from numpitron.nn.param_store import ParamStore  # noqa: E402
 from numpitron.optim import adamw  # noqa: E402
 
 LIBRARY_TILE = blockwise_attention.QUERY_TILE

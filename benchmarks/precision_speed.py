@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 
 from numpitron.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from numpitron.distributed.topology import Topology  # noqa: E402
-from numpitron.nn.layer import cache_nbytes  # noqa: E402
+from numpitron.nn.cache_bytes import cache_nbytes  # noqa: E402
 from numpitron.trainer import Trainer  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")

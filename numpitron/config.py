@@ -11,18 +11,11 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from numpitron.errors import UserError
+from numpitron.pipeline_parallel.schedules import (INTERLEAVED, ONE_F_ONE_B, SCHEDULES, SPLIT_BACKWARD,  # noqa: F401
+                                                   V_SHAPED)  # the names are spelled beside the schedules
 from numpitron.precision.formats import GRAD_REDUCE_DTYPES, check_precision
 
 DTYPES = ("float32", "float64")
-# The pipeline schedules' names, the one place they are spelled (pipeline_parallel/schedules.py
-# builds each; a schedule with separate weight passes splits every layer's backward).
-GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "gpipe", "1f1b", "interleaved", "zero-bubble"
-ZB_V, DUALPIPE_V = "zb-v", "dualpipev"
-SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, ZB_V, DUALPIPE_V)
-SPLIT_BACKWARD = (ZERO_BUBBLE, ZB_V, DUALPIPE_V)
-# Two chunks per rank placed in a V (pipeline_parallel/placement.py): the first and the last
-# virtual stage on pp rank 0.
-V_SHAPED = (ZB_V, DUALPIPE_V)
 RECOMPUTE = ("none", "selective", "full")
 LOAD_BALANCING = ("aux-loss", "bias")                          # docs/11-experts.md
 CONTEXT_PARALLEL_TYPES = ("ring", "ulysses", "hybrid")         # docs/10-context-parallelism.md

@@ -23,13 +23,14 @@ from numpitron.distributed.sharding import shard_bounds, shard_size
 from numpitron.pipeline_parallel.placement import StagePlacement
 from numpitron.context_parallel.zigzag import local_positions
 from numpitron.nn.block import Block
-from numpitron.nn.embedding import Embeddings, PositionEmbedding, VocabParallelEmbedding
+from numpitron.nn.embedding import Embeddings, PositionEmbedding
+from numpitron.tensor_parallel.vocab_parallel import VocabParallelEmbedding
 from numpitron.nn.head import LanguageModelHead
 from numpitron.nn.kv_cache import KVCache
 from numpitron.nn.layer import Layer, sublayers
 from numpitron.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 from numpitron.experts.moe import MixtureOfExperts, RoutingLog
-from numpitron.nn.param import ParamStore
+from numpitron.nn.param_store import ParamStore
 from numpitron.nn.recompute import Recomputed
 from numpitron.data_parallel.residency import AlwaysResident
 from numpitron.tensor_parallel.regions import make_region

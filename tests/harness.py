@@ -18,7 +18,7 @@ from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
 from numpitron.layout import check_layout
 from numpitron.distributed.gather import gather_stores
 from numpitron.distributed.topology import Topology
-from numpitron.nn.param import ParamStore
+from numpitron.nn.param_store import ParamStore
 from numpitron.optim.training_state import FLAT_BUFFERS
 from numpitron.rundir import LOCK_NAME
 from numpitron.trainer import Trainer

@@ -19,7 +19,7 @@ from numpitron.distributed.topology import Topology
 from numpitron.model import GPTStage
 from numpitron.nn.functional import bias_gelu_forward, gelu_backward_, softmax_lastdim_with_lse_
 from numpitron.nn.layernorm import LayerNorm
-from numpitron.nn.param import ParamStore
+from numpitron.nn.param_store import ParamStore
 from numpitron.optim.adamw import AdamW
 
 

@@ -18,8 +18,9 @@ from numpitron.distributed.topology import Topology
 from numpitron.context_parallel.blockwise_attention import AttentionState, attend_block, attend_block_backward, query_tiles
 from numpitron.context_parallel.blockwise_attention import visible_keys
 from numpitron.nn.functional import TILE_ELEMENTS, bias_gelu_forward, gelu_backward_, softmax_lastdim_with_lse_
+from numpitron.nn.layer import FULL_PRECISION
 from numpitron.nn.layernorm import LayerNorm
-from numpitron.nn.param import ParamStore, mask_runs
+from numpitron.nn.param_store import ParamStore, mask_runs
 from numpitron.optim.adamw import AdamW
 from numpitron.optim.grad_norm import global_grad_sumsq
 from numpitron.context_parallel.zigzag import Chunk
@@ -103,7 +104,7 @@ def blockwise(q, k, v, dout, q_chunks, k_blocks):
     ((start, stop) row ranges of k and v, in any order, as around a ring); q unscaled."""
     scale = 1.0 / np.sqrt(q.shape[-1])
     qs = q * scale
-    state, groups = AttentionState(qs), []
+    state, groups = AttentionState(qs, FULL_PRECISION), []
     for lo, hi in k_blocks:
         groups.append(attend_block(qs, q_chunks, k[:, :, lo:hi], v[:, :, lo:hi], [Chunk(0, hi - lo, lo)], state))
     d_rowsum = (dout * state.out).sum(-1, keepdims=True)
@@ -136,7 +137,7 @@ def test_blockwise_attention_in_tiles_and_blocks_equals_whole_causal_attention(d
     # a tile of positions 3..5 sees the first two keys of a block at positions 4..7
     assert visible_keys(Chunk(3, 6, 3), [Chunk(0, 4, 4)]) == [Chunk(0, 2, 4)]
     # only the last chunk sees the latest keys (in tiles: the tile before it too, in part)
-    latest = attend_block(q, q_chunks, k[:, :, 8:], v[:, :, 8:], [Chunk(0, 4, 8)], AttentionState(q))
+    latest = attend_block(q, q_chunks, k[:, :, 8:], v[:, :, 8:], [Chunk(0, 4, 8)], AttentionState(q, FULL_PRECISION))
     assert [group.key_end for group in latest] == ([3, 4] if tile else [4])
     check_attention(q, k, v, dout, q_chunks, [(8, 12), (0, 4), (4, 8)], 0, dtype)
 

@@ -19,10 +19,11 @@ from numpitron.nn.activation_memory import attention_area, block_activation_byte
 from numpitron.nn.attention import ParallelAttention
 from numpitron.nn.block import Block
 from numpitron.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
-from numpitron.nn.embedding import Embeddings, PositionEmbedding, VocabParallelEmbedding, VocabShard
+from numpitron.nn.embedding import Embeddings, PositionEmbedding
+from numpitron.tensor_parallel.vocab_parallel import TiedLMHead, VocabParallelEmbedding, VocabShard
 from numpitron.nn.functional import bias_gelu_forward, gelu_backward_
-from numpitron.nn.head import LanguageModelHead, TiedLMHead
-from numpitron.nn.layer import cache_nbytes
+from numpitron.nn.head import LanguageModelHead
+from numpitron.nn.cache_bytes import cache_nbytes
 from numpitron.nn.layernorm import LayerNorm
 from numpitron.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 from numpitron.nn.mlp import ParallelMLP

@@ -8,7 +8,8 @@ import pytest
 
 from numpitron.config import TrainConfig
 from numpitron.errors import UserError
-from numpitron.nn.param import Param, ParamStore
+from numpitron.nn.param import Param
+from numpitron.nn.param_store import ParamStore
 from numpitron.optim.adamw import AdamW
 from numpitron.muon.muon import (Muon, is_hidden_matrix, local_orthogonalise, matrix_pieces, newton_schulz,
                                   update_scale)

@@ -18,11 +18,11 @@ from numpitron.distributed.topology import Topology
 from numpitron.model import GPTStage
 from numpitron.nn.attention import ParallelAttention
 from numpitron.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
-from numpitron.nn.embedding import VocabParallelEmbedding
-from numpitron.nn.head import TiedLMHead
+from numpitron.tensor_parallel.vocab_parallel import TiedLMHead, VocabParallelEmbedding
 from numpitron.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 from numpitron.nn.mlp import ParallelMLP
-from numpitron.nn.param import ParamStore, pad_to_full
+from numpitron.nn.param import pad_to_full
+from numpitron.nn.param_store import ParamStore
 from tests.harness import assert_close_on_every_rank, assert_on_every_rank
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 

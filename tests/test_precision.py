@@ -11,7 +11,7 @@ from mpi4py import MPI
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
 from numpitron.nn.activation_memory import block_activation_bytes
-from numpitron.nn.layer import cache_nbytes
+from numpitron.nn.cache_bytes import cache_nbytes
 from numpitron.optim.memory_report import memory_bytes
 from numpitron.precision.formats import FORMATS, LossScaler, check_precision
 from tests.harness import assert_on_every_rank, make_trainer, run, serial_reference, tiny_model, tiny_tokens, tiny_train

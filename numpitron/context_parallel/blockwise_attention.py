@@ -31,7 +31,6 @@ import numpy as np
 
 from numpitron.context_parallel.zigzag import Chunk
 from numpitron.nn.functional import softmax_lastdim_with_lse_
-from numpitron.precision.formats import FORMATS
 
 _MASKS = {}
 # Query rows per tile. Smaller tiles skip more of the masked triangle but make the
@@ -75,8 +74,8 @@ class AttentionState:
     """The running output O (B, H, T, hd) and log-sum-exp L (B, H, T, 1) of the queries,
     and how many groups each query chunk has folded in."""
 
-    def __init__(self, q, precision=FORMATS["fp32"]):
-        self.precision = precision      # the run's format: the probabilities are rounded to it
+    def __init__(self, q, precision):
+        self.precision = precision      # the run's format (nn/layer.py): the probabilities are rounded to it
         self.out = np.empty_like(q)     # every query row is written by its first group
         self.lse = np.full(q.shape[:-1] + (1,), -np.inf, q.dtype)
         self.groups = {}

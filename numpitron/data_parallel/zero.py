@@ -27,7 +27,7 @@ S = dp the replica group has one rank and that all-reduce is a no-op.
 import numpy as np
 
 from numpitron.distributed.sharding import piece_in_slice, pieces_of_range, shard_bounds
-from numpitron.nn.param import mask_runs
+from numpitron.nn.param_store import mask_runs
 from numpitron.data_parallel.distributed_optimizer import DistributedOptimizer, GradientGroup
 from numpitron.optim.grad_norm import clip_, global_grad_sumsq
 from numpitron.optim.training_state import TrainingState

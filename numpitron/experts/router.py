@@ -58,7 +58,8 @@ import numpy as np
 
 from numpitron.distributed.comm import Comm, CommStats
 from numpitron.context_parallel.zigzag import local_positions
-from numpitron.nn.layer import Layer, rows
+from numpitron.nn.layer import Layer
+from numpitron.nn.matmul import rows
 from numpitron.nn.param import Param
 from numpitron.tensor_parallel.regions import ReplicatedRegion
 

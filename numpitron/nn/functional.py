@@ -26,6 +26,8 @@ import math
 
 import numpy as np
 
+from numpitron.nn.matmul import row_sums
+
 # Python floats, not NumPy float64 scalars: a float64 scalar promotes a float32 pass to
 # a float64 one with two casts (NEP 50; tests/test_float32_passes.py keeps it out).
 _GELU_S = math.sqrt(2.0 / math.pi)
@@ -33,30 +35,6 @@ _GELU_A = 0.044715
 # Elements per tile: 256 KiB of float32 per array. Fewer, longer tiles pay fewer NumPy
 # calls; shorter ones stay in L2. benchmarks/README.md gives the sizes tried.
 TILE_ELEMENTS = 1 << 16
-
-
-_ONES = {}
-
-
-def _ones(n: int, dtype) -> np.ndarray:
-    key = (n, np.dtype(dtype))
-    if key not in _ONES:
-        if len(_ONES) > 64:               # generation visits many lengths: keep the cache small
-            _ONES.clear()
-        _ONES[key] = np.ones(n, dtype)
-        _ONES[key].flags.writeable = False
-    return _ONES[key]
-
-
-def row_sums(x):
-    """(N, C) -> (N,) sums over each row, as one matrix-vector product: BLAS streams
-    the array once, where NumPy's reduction over short rows pays per row."""
-    return x @ _ones(x.shape[-1], x.dtype)
-
-
-def column_sums(x):
-    """(N, C) -> (C,) sums over the rows (a bias gradient), as a vector-matrix product."""
-    return _ones(x.shape[0], x.dtype) @ x
 
 
 def rows_per_tile(row_len: int) -> int:

@@ -2,33 +2,9 @@
 embedding, and the vocabulary-parallel loss."""
 
 from numpitron.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
-from numpitron.nn.layer import Layer, rows
+from numpitron.tensor_parallel.vocab_parallel import TiedLMHead
+from numpitron.nn.layer import Layer
 from numpitron.nn.layernorm import LayerNorm
-
-
-class TiedLMHead(Layer):
-    """logits[..., v0:v1] = h @ E[v0:v1].T, with E the token embedding's weight.
-    Its parameter is the embedding's, so it lists none of its own."""
-
-    def __init__(self, embedding):
-        self.embedding = embedding
-        self.region = embedding.region
-
-    def forward(self, h):
-        # h: (B, T, C) (or (B, T/tp, C) sequence-parallel) -> (B, T, V / tp)
-        full = self.region.gather(h)
-        logits = self.precision.round(rows(full) @ self.embedding.weight.data.T)
-        return logits.reshape(*full.shape[:-1], -1), {"h": self.precision.keep(h)}
-
-    def start_backward_input(self, dlogits, cache):
-        cache["dy"] = dlogits
-        dh = rows(dlogits) @ self.embedding.weight.data   # this vocabulary slice's share of dL/dh
-        # "f": sum the shares over tp, perhaps while backward_weights runs
-        return self.region.start_input_grad(dh.reshape(dlogits.shape[:-1] + (-1,)))
-
-    def backward_weights(self, cache):
-        h = self.precision.widen(cache["h"])
-        self.embedding.weight.grad += rows(cache["dy"]).T @ rows(self.region.gather(h))
 
 
 class LanguageModelHead(Layer):

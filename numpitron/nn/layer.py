@@ -27,11 +27,6 @@ computes meanwhile, and `wait` finishes it. A layer defines `backward_input` or
 `start_backward_input`; the other follows.
 """
 
-import numpy as np
-
-from numpitron.precision.formats import FORMATS
-
-
 class InFlight:
     """An input gradient whose collective may still be running: `wait` finishes it
     (counting the seconds spent waiting) and returns the array."""
@@ -46,11 +41,33 @@ class InFlight:
         return self.value
 
 
+class FullPrecision:
+    """The number format of a run without a low one: every rounding is the identity.
+    A mixed-precision run installs its format in every layer instead
+    (precision/formats.py, `use_format`), with the same verbs: a layer rounds what it
+    produces (`round`), as an accelerator's kernel writes its output in bf16, and keeps
+    its activations for the backward in 2 bytes (`keep`, then `widen`)."""
+
+    mixed = False
+
+    def round(self, x):
+        return x
+
+    def round_(self, x) -> None:
+        """Round x in place: nothing to do."""
+
+    def keep(self, x):
+        return x
+
+    def widen(self, kept):
+        return kept
+
+
+FULL_PRECISION = FullPrecision()
+
+
 class Layer:
-    # The run's number format (precision/formats.py); GPTStage hands a mixed run's to every
-    # layer. A layer rounds what it produces to it, as an accelerator's kernel writes
-    # its output in bf16, and keeps it for the backward in 2 bytes (`keep`, `widen`).
-    precision = FORMATS["fp32"]
+    precision = FULL_PRECISION          # the run's number format: FullPrecision, or a mixed run's
 
     def parameters(self) -> list:
         return []
@@ -69,17 +86,16 @@ class Layer:
     def backward_weights(self, cache) -> None:
         """Nothing to do for a layer without parameters."""
 
+    def splits_backward(self) -> bool:
+        """Whether this layer has the two halves of its backward, not only a whole
+        `backward` (a zero-bubble schedule runs them apart: the executor asks)."""
+        return (type(self).backward_input is not Layer.backward_input
+                or type(self).start_backward_input is not Layer.start_backward_input)
+
     def backward(self, dy, cache):
         dx = self.start_backward_input(dy, cache)
         self.backward_weights(cache)     # while the input gradient's collective runs
         return dx.wait()
-
-
-def splits_backward(layer) -> bool:
-    """Whether a layer has the two halves of its backward, not only a whole `backward`
-    (a zero-bubble schedule runs them apart; pipeline.check_backward_splits asks)."""
-    return (type(layer).backward_input is not Layer.backward_input
-            or type(layer).start_backward_input is not Layer.start_backward_input)
 
 
 def sublayers(layers) -> list:
@@ -93,31 +109,3 @@ def sublayers(layers) -> list:
             for value in vars(layer).values():
                 todo += value if isinstance(value, list) else [value]
     return found
-
-
-def rows(x: np.ndarray) -> np.ndarray:
-    """(B, T, C) -> (B*T, C), a view when x is contiguous: one BLAS call per matmul."""
-    return x.reshape(-1, x.shape[-1])
-
-
-def cache_nbytes(cache) -> int:
-    """Bytes of the arrays a cache keeps alive, each buffer counted once (views of
-    one buffer, or one array held in two places, share memory)."""
-    seen, total = set(), 0
-    stack = [cache]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-        elif hasattr(item, "__dict__"):             # a small state object (attention's running softmax)
-            stack.extend(vars(item).values())
-        elif isinstance(item, np.ndarray):
-            base = item
-            while isinstance(base.base, np.ndarray):
-                base = base.base
-            if id(base) not in seen:          # alive while the cache holds it: ids are unique
-                seen.add(id(base))
-                total += base.nbytes
-    return total

@@ -7,8 +7,8 @@ parameter gradients are identical too and need no communication.
 
 import numpy as np
 
-from numpitron.nn.functional import column_sums, row_sums
-from numpitron.nn.layer import Layer, rows
+from numpitron.nn.layer import Layer
+from numpitron.nn.matmul import column_sums, row_sums, rows
 from numpitron.nn.param import Param
 
 

@@ -20,10 +20,10 @@ import time
 
 import numpy as np
 
-from numpitron.config import ONE_F_ONE_B, SPLIT_BACKWARD
 from numpitron.errors import UserError
-from numpitron.nn.layer import cache_nbytes, splits_backward
-from numpitron.pipeline_parallel.schedules import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, make_schedule
+from numpitron.nn.cache_bytes import cache_nbytes
+from numpitron.pipeline_parallel.schedules import (BACKWARD, FORWARD, INPUT_GRAD, ONE_F_ONE_B, SPLIT_BACKWARD, WEIGHT_GRAD,
+                                                   make_schedule)
 
 ACTIVATION, GRADIENT = 0, 1            # what a message between virtual stages carries
 
@@ -106,7 +106,7 @@ class _Route:
 def check_backward_splits(model, schedule: str) -> None:
     """A schedule with separate W passes needs every layer to expose both halves."""
     if schedule in SPLIT_BACKWARD:
-        whole = [type(layer).__name__ for layer in model.layers if not splits_backward(layer)]
+        whole = [type(layer).__name__ for layer in model.layers if not layer.splits_backward()]
         if whole:
             raise UserError(f"the {schedule} schedule runs each backward as two halves, and "
                             f"{', '.join(sorted(set(whole)))} has only a whole backward (no backward_input "

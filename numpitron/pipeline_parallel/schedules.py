@@ -33,8 +33,17 @@ complete and deadlock-free and gives its ideal bubble.
 
 from typing import NamedTuple
 
-from numpitron.config import DUALPIPE_V, GPIPE, INTERLEAVED, ONE_F_ONE_B, V_SHAPED, ZB_V, ZERO_BUBBLE
 from numpitron.pipeline_parallel.placement import StagePlacement
+
+# The pipeline schedules' names, the one place they are spelled (the functions below
+# build each; a schedule with separate weight passes splits every layer's backward).
+GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE = "gpipe", "1f1b", "interleaved", "zero-bubble"
+ZB_V, DUALPIPE_V = "zb-v", "dualpipev"
+SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, ZB_V, DUALPIPE_V)
+SPLIT_BACKWARD = (ZERO_BUBBLE, ZB_V, DUALPIPE_V)
+# Two chunks per rank placed in a V (pipeline_parallel/placement.py): the first and the last
+# virtual stage on pp rank 0.
+V_SHAPED = (ZB_V, DUALPIPE_V)
 
 FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = "F", "BW", "B", "W"
 

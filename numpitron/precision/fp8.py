@@ -41,6 +41,8 @@ same scales for every layer, the ones one process would have.
 import ml_dtypes
 import numpy as np
 
+from numpitron.nn.matmul import PlainMatmul
+
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E5M2 = np.dtype(ml_dtypes.float8_e5m2)
 ROLES = ("x", "w", "dy")                 # forward input, weight, gradient of the output
@@ -69,22 +71,6 @@ def scales_from(amax: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore"):
         exponent = np.floor(np.log2(FMAX / amax)) - MARGIN
     return np.where(amax > 0, np.exp2(exponent), 0.0).astype(np.float32)
-
-
-class PlainMatmul:
-    """The three products of a linear layer, computed as they are written."""
-
-    def forward(self, x, w):
-        return x @ w                                    # y = x W
-
-    def input_grad(self, dy, w):
-        return dy @ w.T                                 # dL/dx = dL/dy W^T
-
-    def weight_grad(self, x, dy):
-        return x.T @ dy                                 # dL/dW = x^T dL/dy
-
-
-PLAIN = PlainMatmul()
 
 
 class Fp8Matmul(PlainMatmul):

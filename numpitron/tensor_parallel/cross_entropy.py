@@ -9,7 +9,8 @@ to -inf by the shard (`VocabShard.mask_padding`), so the loss equals the unpadde
 
 import numpy as np
 
-from numpitron.nn.layer import Layer, rows
+from numpitron.nn.layer import Layer
+from numpitron.nn.matmul import rows
 
 
 class VocabParallelCrossEntropy(Layer):

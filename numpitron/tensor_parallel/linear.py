@@ -13,9 +13,8 @@ forward and one backward. With sequence parallelism the same two points become a
 all-gather and a reduce-scatter each (tensor_parallel/regions.py decides which; the layers ask it).
 """
 
-from numpitron.precision.fp8 import PLAIN
-from numpitron.nn.functional import column_sums
-from numpitron.nn.layer import Layer, rows
+from numpitron.nn.layer import Layer
+from numpitron.nn.matmul import PLAIN, column_sums, rows
 from numpitron.nn.param import Param
 from numpitron.tensor_parallel.regions import ReplicatedRegion
 
