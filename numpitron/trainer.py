@@ -49,7 +49,7 @@ class Trainer:
         # without experts).
         self.optimizers = make_optimizers(self.model, topo, train_cfg, parallel_cfg)
         self.optimizer = self.optimizers[0]
-        self.model.residency = self.optimizer.residency(self.model)
+        self.optimizer.install(self.model)         # ZeRO-3 gathers each layer while it runs
         # Mixed precision (docs/16-numbers.md): activations rounded between layers,
         # gradients rounded, unscaled and checked by `step_mixed`.
         self.precision = FORMATS[train_cfg.precision]

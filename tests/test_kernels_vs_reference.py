@@ -20,7 +20,8 @@ from numpitron.context_parallel.blockwise_attention import visible_keys
 from numpitron.nn.functional import TILE_ELEMENTS, bias_gelu_forward, gelu_backward_, softmax_lastdim_with_lse_
 from numpitron.nn.layer import FULL_PRECISION
 from numpitron.nn.layernorm import LayerNorm
-from numpitron.nn.param_store import ParamStore, mask_runs
+from numpitron.nn.mask_runs import mask_runs
+from numpitron.nn.param_store import ParamStore
 from numpitron.optim.adamw import AdamW
 from numpitron.optim.grad_norm import global_grad_sumsq
 from numpitron.context_parallel.zigzag import Chunk

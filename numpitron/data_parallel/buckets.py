@@ -62,8 +62,8 @@ class DataParallelOptimizer(DistributedOptimizer):
 
     zero_stage = 0
 
-    def __init__(self, store, topo, train_cfg, parallel_cfg, group=None):
-        super().__init__(store, topo, train_cfg, 0, store.size, group)
+    def __init__(self, store, topo, train_cfg, parallel_cfg, group=None, precision=None):
+        super().__init__(store, topo, train_cfg, 0, store.size, group, precision)
         self.state = TrainingState(store, self.group.comm, self.adam, 0, store.data)
         self.buckets = GradientBuckets(store, self.group.comm, parallel_cfg.bucket_size,
                                        parallel_cfg.overlap_grad_reduce, start=self.all_reduce_bucket)
@@ -97,10 +97,10 @@ class HierarchicalDataParallelOptimizer(DataParallelOptimizer):
     all-reduce bucket by bucket during it. The store is padded to a multiple of the
     shard group so the host's slices are equal."""
 
-    def __init__(self, store, topo, train_cfg, parallel_cfg, group=None):
+    def __init__(self, store, topo, train_cfg, parallel_cfg, group=None, precision=None):
         group = group or GradientGroup.dense(topo)
         store.pad_to_multiple(group.shard_comm.size)
-        super().__init__(store, topo, train_cfg, replace(parallel_cfg, overlap_grad_reduce=False), group)
+        super().__init__(store, topo, train_cfg, replace(parallel_cfg, overlap_grad_reduce=False), group, precision)
 
     def reduce_grads(self) -> None:
         hierarchical_all_reduce(self.low_grads(self.store.grad), self.group.shard_comm, self.group.copies_comm,

@@ -7,7 +7,7 @@ of the store's flat buffer this rank owns.
                              optimizer may start reducing them over dp at once
     step(lr) -> grad norm    finish averaging gradients over dp, clip by the global
                              norm, apply AdamW to the slice [lo, hi) this rank updates
-    residency(model)         where the model's parameters live during a pass (ZeRO-3)
+    install(model)           hooks of its own on the model's passes (ZeRO-3 gathers layers)
 
 `step` is three phases, so that optimizers of several stores (the dense parameters
 and the experts, averaged over different groups) clip by one global norm together
@@ -19,9 +19,8 @@ Two other jobs live beside it, each in its own object: `optimizer.state`
 for checkpoints and exports; `memory_bytes(optimizer)` (optim/memory_report.py)
 counts what it keeps, from `params`, `kept_grads()` and `pass_peaks()`.
 
-Implementations: `parallel.data_parallel.DataParallelOptimizer` (ZeRO stage 0),
-`parallel.zero.ZeroOneOptimizer` and `ZeroTwoOptimizer`, `parallel.zero3.ZeroThreeOptimizer`;
-`parallel.optimizer.make_optimizers` picks them.
+Implementations: `buckets.DataParallelOptimizer` (ZeRO stage 0), `zero.ZeroOneOptimizer`
+and `ZeroTwoOptimizer`, `zero3.ZeroThreeOptimizer`; `optim/factory.py` picks them.
 """
 
 import math
@@ -29,10 +28,23 @@ from typing import NamedTuple
 
 import numpy as np
 
-from numpitron.data_parallel.residency import AlwaysResident
 from numpitron.optim.adamw import AdamW
-from numpitron.precision.master_weights import MasterWeightAdam
-from numpitron.precision.formats import FORMATS, wires
+
+
+class Unrounded:
+    """A run without a low number format: parameters and gradients are used as they
+    are. A mixed-precision run gives the optimizer its `LowFormat` instead
+    (precision/master_weights.py): fp32 master weights under the update rule, the stage's
+    parameters and gradients rounded, both sent over dp in the format's bytes."""
+
+    mixed = False
+    wires = (None, None)            # (gradients', parameters') wire format: as they are
+
+    def round_(self, x) -> None:
+        """Nothing to round."""
+
+    def master_rule(self, rule, params):
+        return rule
 
 
 class GradientGroup(NamedTuple):
@@ -64,20 +76,19 @@ class GradientGroup(NamedTuple):
 class DistributedOptimizer:
     zero_stage = None
 
-    def __init__(self, store, topo, train_cfg, lo: int, hi: int, group: GradientGroup | None = None):
+    def __init__(self, store, topo, train_cfg, lo: int, hi: int, group: GradientGroup | None = None,
+                 precision=None):
         self.store, self.topo, self.train_cfg = store, topo, train_cfg
         self.group = group or GradientGroup.dense(topo)
         self.lo, self.hi = lo, hi
-        self.adam = AdamW(hi - lo, store.dtype, train_cfg.beta1, train_cfg.beta2,
-                          train_cfg.eps, train_cfg.weight_decay)
-        # Mixed precision (docs/16-numbers.md): Adam moves an fp32 master copy of the
+        # Mixed precision (docs/16-numbers.md): the rule moves an fp32 master copy of the
         # slice; the stage's parameters, which the layers use, are rounded from here on.
-        self.precision = FORMATS[getattr(train_cfg, "precision", "fp32")]
-        if self.precision.mixed:
-            self.adam = MasterWeightAdam(self.adam, store.data[lo:hi], self.precision)
-            self.precision.round_(store.data)
+        self.precision = precision or Unrounded()
+        self.adam = self.precision.master_rule(AdamW(hi - lo, store.dtype, train_cfg.beta1, train_cfg.beta2,
+                                                     train_cfg.eps, train_cfg.weight_decay), store.data[lo:hi])
+        self.precision.round_(store.data)
         # What the gradients and the parameters travel in over dp (Comm's `wire`).
-        self.grad_wire, self.param_wire = wires(self.precision, getattr(train_cfg, "grad_reduce_dtype", "fp32"))
+        self.grad_wire, self.param_wire = self.precision.wires
         self.state = None           # a TrainingState, set by each implementation
 
     def use_rule(self, rule) -> None:
@@ -114,9 +125,8 @@ class DistributedOptimizer:
         whole (ZeRO-3) and whole gradient buffers (ZeRO-2 and 3)."""
         return 0, 0
 
-    def residency(self, model):
-        """Where the model's parameters live during a pass (data_parallel/residency.py): whole."""
-        return AlwaysResident()
+    def install(self, model) -> None:
+        """Nothing to change in the model: its parameters stay whole between passes."""
 
     def zero_grad(self) -> None:
         """Before a step's first backward."""

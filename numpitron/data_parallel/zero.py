@@ -27,7 +27,7 @@ S = dp the replica group has one rank and that all-reduce is a no-op.
 import numpy as np
 
 from numpitron.distributed.sharding import piece_in_slice, pieces_of_range, shard_bounds
-from numpitron.nn.param_store import mask_runs
+from numpitron.nn.mask_runs import mask_runs
 from numpitron.data_parallel.distributed_optimizer import DistributedOptimizer, GradientGroup
 from numpitron.optim.grad_norm import clip_, global_grad_sumsq
 from numpitron.optim.training_state import TrainingState
@@ -78,13 +78,13 @@ class OwnedSlice:
 class ZeroOneOptimizer(DistributedOptimizer):
     zero_stage = 1
 
-    def __init__(self, store, topo, train_cfg, parallel_cfg=None, group=None):
+    def __init__(self, store, topo, train_cfg, parallel_cfg=None, group=None, precision=None):
         # Sharded over the shard group: dp and cp together hold the same parameters, S
         # of the dp ranks (HSDP; all of them by default) split them (an expert store:
         # its dp/ep expert_dp ranks).
         group = group or GradientGroup.dense(topo)
         self.owned = OwnedSlice(store, group)
-        super().__init__(store, topo, train_cfg, self.owned.lo, self.owned.hi, group)
+        super().__init__(store, topo, train_cfg, self.owned.lo, self.owned.hi, group, precision)
         self.state = TrainingState(store, group.shard_comm, self.adam, self.lo, store.data, copies=group.copies_comm)
 
     def kept_grads(self) -> list[np.ndarray]:
@@ -118,8 +118,8 @@ class ZeroTwoOptimizer(ZeroOneOptimizer):
 
     zero_stage = 2
 
-    def __init__(self, store, topo, train_cfg, parallel_cfg, group=None):
-        super().__init__(store, topo, train_cfg, parallel_cfg, group)
+    def __init__(self, store, topo, train_cfg, parallel_cfg, group=None, precision=None):
+        super().__init__(store, topo, train_cfg, parallel_cfg, group, precision)
         self.buckets = GradientBuckets(store, self.group.shard_comm, parallel_cfg.bucket_size,
                                        parallel_cfg.overlap_grad_reduce, start=self.reduce_scatter_bucket)
         store.free_grads()

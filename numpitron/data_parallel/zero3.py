@@ -72,10 +72,10 @@ class ZeroThreeOptimizer(DistributedOptimizer):
 
     zero_stage = 3
 
-    def __init__(self, store, topo, train_cfg, parallel_cfg, group=None):
+    def __init__(self, store, topo, train_cfg, parallel_cfg, group=None, precision=None):
         group = group or GradientGroup.dense(topo)
         self.owned = OwnedSlice(store, group)
-        super().__init__(store, topo, train_cfg, self.owned.lo, self.owned.hi, group)
+        super().__init__(store, topo, train_cfg, self.owned.lo, self.owned.hi, group, precision)
         self.param_shard = store.data[self.lo:self.hi].copy()
         self.overlap = parallel_cfg.overlap_grad_reduce
         self.gatherer = None
@@ -96,9 +96,10 @@ class ZeroThreeOptimizer(DistributedOptimizer):
     def pass_peaks(self) -> tuple[int, int]:
         return self.gatherer.peak_params, self.gatherer.peak_grads
 
-    def residency(self, model):
+    def install(self, model) -> None:
+        """Every layer's parameters gathered while it runs: hooks on the model's passes."""
         self.gatherer = LayerGatherer(model, self)
-        return self.gatherer
+        model.residency = self.gatherer
 
     def zero_grad(self) -> None:
         self.owned.grads.fill(0)

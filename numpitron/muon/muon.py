@@ -29,7 +29,7 @@ import numpy as np
 
 from numpitron.errors import UserError
 from numpitron.optim.adamw import AdamW
-from numpitron.nn.param_store import mask_runs
+from numpitron.nn.mask_runs import mask_runs
 
 # The quintic iteration X <- a X + (b A + c A^2) X with A = X X^T (Jordan et al. 2024):
 # coefficients chosen so that the slope at zero is large (a = 3.4445) and small

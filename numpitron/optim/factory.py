@@ -1,11 +1,12 @@
 """The one place that picks the optimizer for a ZeRO stage (interface:
 numpitron/data_parallel/distributed_optimizer.py)."""
 
-from numpitron.data_parallel.distributed_optimizer import GradientGroup
 from numpitron.data_parallel.buckets import DataParallelOptimizer, HierarchicalDataParallelOptimizer
-from numpitron.muon.owners import use_muon
+from numpitron.data_parallel.distributed_optimizer import GradientGroup
 from numpitron.data_parallel.zero import ZeroOneOptimizer, ZeroTwoOptimizer
 from numpitron.data_parallel.zero3 import ZeroThreeOptimizer
+from numpitron.muon.owners import use_muon
+from numpitron.precision.master_weights import optimizer_format
 
 OPTIMIZERS = {0: DataParallelOptimizer, 1: ZeroOneOptimizer, 2: ZeroTwoOptimizer, 3: ZeroThreeOptimizer}
 
@@ -18,7 +19,7 @@ def make_optimizer(store, topo, train_cfg, parallel_cfg, group: GradientGroup | 
     chosen = OPTIMIZERS[parallel_cfg.zero_stage if zero_stage is None else zero_stage]
     if parallel_cfg.hierarchical_all_reduce:         # plain dp only (config.py)
         chosen = HierarchicalDataParallelOptimizer
-    optimizer = chosen(store, topo, train_cfg, parallel_cfg, group)
+    optimizer = chosen(store, topo, train_cfg, parallel_cfg, group, precision=optimizer_format(train_cfg))
     if train_cfg.optimizer == "muon":
         use_muon(optimizer, topo, train_cfg)
     return optimizer

@@ -17,7 +17,7 @@ import numpy as np
 
 def global_grad_sumsq(grads, norm_runs, comm) -> float:
     """The sum over `comm` of each rank's sum of squares over the runs of its norm mask
-    (`nn.param.mask_runs`), with no masked copy of the gradients."""
+    (`nn.mask_runs`), with no masked copy of the gradients."""
     sumsq = np.array([sum(float(np.dot(grads[a:b], grads[a:b])) for a, b in norm_runs)])
     comm.all_reduce(sumsq)
     return float(sumsq[0])

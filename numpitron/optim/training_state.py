@@ -20,7 +20,6 @@ ZeRO-3, on the same slice. `buffers` names the ones this optimizer keeps.
 
 import numpy as np
 
-from numpitron.distributed.comm import Comm
 from numpitron.distributed.sharding import balanced_bounds
 
 FLAT_BUFFERS = ("params", "adam_m", "adam_v")
@@ -38,7 +37,7 @@ class TrainingState:
         the writing; default none); after_load: called once the values are in (ZeRO-3
         drops parameters it had gathered)."""
         self.store, self.comm, self.adam = store, comm, adam
-        self.copies = copies or Comm(None, None, "copies")
+        self.copies = copies
         self.lo, self.params, self.params_lo, self.after_load = lo, params, params_lo, after_load
 
     @property
@@ -58,7 +57,8 @@ class TrainingState:
 
     def save_range(self) -> tuple[int, int]:
         lo, hi = balanced_bounds(self.store.size, self.comm.size, self.comm.rank)
-        start, stop = balanced_bounds(hi - lo, self.copies.size, self.copies.rank)
+        copies, place = (self.copies.size, self.copies.rank) if self.copies else (1, 0)
+        start, stop = balanced_bounds(hi - lo, copies, place)
         return lo + start, lo + stop
 
     def values_in_range(self, lo: int, hi: int) -> dict:

@@ -17,6 +17,31 @@ import math
 
 import numpy as np
 
+from numpitron.precision.formats import FORMATS, wires
+
+
+class LowFormat:
+    """What a mixed run changes in an optimizer (data_parallel/distributed_optimizer.py;
+    `Unrounded` there is the run without one): its rule moves an fp32 master copy, the
+    stage's parameters and gradients hold the format's values, and they cross dp in the
+    format's bytes (gradients only with --grad-reduce-dtype param)."""
+
+    def __init__(self, fmt, grad_reduce_dtype: str):
+        self.fmt, self.mixed, self.itemsize = fmt, True, fmt.itemsize
+        self.wires = wires(fmt, grad_reduce_dtype)
+
+    def round_(self, x) -> None:
+        self.fmt.round_(x)
+
+    def master_rule(self, rule, params):
+        return MasterWeightAdam(rule, params, self.fmt)
+
+
+def optimizer_format(train_cfg) -> LowFormat | None:
+    """The optimizer's number format for a run: None (as it is) unless mixed."""
+    fmt = FORMATS[getattr(train_cfg, "precision", "fp32")]
+    return LowFormat(fmt, getattr(train_cfg, "grad_reduce_dtype", "fp32")) if fmt.mixed else None
+
 
 class MasterWeightAdam:
     def __init__(self, adam, params: np.ndarray, fmt):
