@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     from numpitron.errors import UserError
     from numpitron.generate import generate
     from numpitron.memory import check_generation_fits, check_model_fits
-    from numpitron.model import GPTStage
+    from numpitron.build import build_stage
 
     args = parser().parse_args(argv)
     for name in ("max_new_tokens", "num_samples"):
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     topo = Topology.from_mesh(world, mesh_from_args(args, world.Get_size(), model_cfg, None), args.collective_timeout)
     check_model_fits(model_cfg, topo, what=f"sampling from {path}")
     check_generation_fits(model_cfg, topo, args.num_samples, len(prompt) + args.max_new_tokens)
-    model = GPTStage(model_cfg, topo)
+    model = build_stage(model_cfg, topo)
     load_model_weights(path, model, model_cfg)
     ids = generate(model, prompt, args.max_new_tokens, args.num_samples, args.temperature, args.top_k, args.seed)
     if topo.is_logger:

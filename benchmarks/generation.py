@@ -28,7 +28,7 @@ from numpitron.cli import ArgumentParser, add_mesh_flags, add_model_flags, mesh_
 from numpitron.config import ModelConfig  # noqa: E402
 from numpitron.distributed.topology import Topology  # noqa: E402
 from numpitron.generate import generate  # noqa: E402
-from numpitron.model import GPTStage  # noqa: E402
+from numpitron.build import build_stage  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     cfg = ModelConfig(seq_len=args.seq_len, n_layers=args.n_layers, n_heads=args.n_heads, d_model=args.d_model,
                       dtype=args.dtype).validate()
     topo = Topology.from_mesh(world, mesh_from_args(args, world.Get_size(), cfg, None))
-    model = GPTStage(cfg, topo, seed=0)
+    model = build_stage(cfg, topo, seed=0)
     prompt = list(range(args.prompt_len))
     generate(model, prompt, 8, args.num_samples, temperature=1.0, seed=1)           # warm-up
     world.Barrier()

@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 
 from numpitron.config import ModelConfig  # noqa: E402
 from numpitron.distributed.topology import Topology  # noqa: E402
-from numpitron.model import GPTStage  # noqa: E402
+from numpitron.build import build_stage  # noqa: E402
 from numpitron.context_parallel import blockwise_attention  # noqa: E402
 from numpitron.nn.attention import ParallelAttention  # noqa: E402
 from numpitron.nn.functional import bias_gelu_forward, gelu_backward_, row_tiles, rows_per_tile  # noqa: E402
@@ -202,7 +202,7 @@ def cases(B, T, C, H, layers):
     attn = ParallelAttention("attn", C, H, Topology.serial(), out_std=0.02)
     ParamStore(attn.parameters(), np.float32).initialize(0)
     xa, dya = r(B, T, C), r(B, T, C)
-    store = GPTStage(ModelConfig(seq_len=T, n_layers=layers, n_heads=H, d_model=C), Topology.serial(), seed=0).store
+    store = build_stage(ModelConfig(seq_len=T, n_layers=layers, n_heads=H, d_model=C), Topology.serial(), seed=0).store
     opt, grads = adamw.AdamW(store.size, np.float32), r(store.size) * 1e-3
     return [
         ("bias + GELU, forward and backward", lambda: sigmoid_gelu(hidden, bias4, dhidden),

@@ -19,7 +19,8 @@ text of each sample is the same whatever the mesh.
 
 import numpy as np
 
-from numpitron.distributed.sharding import balanced_bounds, pad_to_multiple
+from numpitron.distributed.sharding import balanced_bounds, pad_to_multiple, shard_size
+from numpitron.nn.kv_cache import KVCache
 
 ACTIVATION_TAG = 0
 
@@ -88,10 +89,17 @@ def generate(model, prompt_ids, max_new_tokens: int, num_samples: int = 1, tempe
     return np.concatenate([everyone[d, :b - a] for d, (a, b) in enumerate(shares)])
 
 
+def new_kv_cache(model, batch: int, chunk: int = 0) -> KVCache:
+    """An empty key/value cache for generating `batch` sequences through a chunk of the stage."""
+    c = model.model_cfg
+    return KVCache(len(model.chunk_blocks[chunk]), batch, shard_size(c.n_heads, model.topo.tp), c.seq_len, c.head_dim,
+                   model.dtype)
+
+
 def _generate_rows(model, out, max_new_tokens: int, rngs, temperature: float, top_k: int | None) -> np.ndarray:
     """Extend each row of `out` by max_new_tokens tokens, row i drawing from rngs[i]."""
     T = model.model_cfg.seq_len
-    kv = model.new_kv_cache(len(out))
+    kv = new_kv_cache(model, len(out))
     logits = next_token_logits(model, out[:, -T:], kv)
     for _ in range(max_new_tokens):
         token = sample_next(logits, rngs, temperature, top_k)

@@ -13,28 +13,28 @@ Parameters live in two flat buffers: `store` for those every data-parallel rank
 holds, `expert_store` for this rank's experts (empty without experts), whose
 gradients are averaged over a different group (docs/11-experts.md). `stores` lists
 the ones in use.
+
+Features wrap the stage instead of living in it: the experts come built and hold their
+routing state (experts/stage_experts.py; build.py gives them), a mixed-precision run
+installs its number format (precision/formats.py, `use_format`), FP8 its matmuls
+(precision/fp8.py), ZeRO-3 its residency hooks (data_parallel/zero3.py), generation its
+key/value cache (generate.py).
 """
 
 import numpy as np
 
-from numpitron.config import ModelConfig
-from numpitron.distributed.comm import Comm
-from numpitron.distributed.sharding import shard_bounds, shard_size
-from numpitron.pipeline_parallel.placement import StagePlacement
 from numpitron.context_parallel.zigzag import local_positions
+from numpitron.distributed.sharding import shard_bounds, shard_size
 from numpitron.nn.block import Block
 from numpitron.nn.embedding import Embeddings, PositionEmbedding
-from numpitron.tensor_parallel.vocab_parallel import VocabParallelEmbedding
 from numpitron.nn.head import LanguageModelHead
-from numpitron.nn.kv_cache import KVCache
-from numpitron.nn.layer import Layer, sublayers
-from numpitron.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
-from numpitron.experts.moe import MixtureOfExperts, RoutingLog
+from numpitron.nn.layer import FULL_PRECISION, Layer
 from numpitron.nn.param_store import ParamStore
 from numpitron.nn.recompute import Recomputed
-from numpitron.data_parallel.residency import AlwaysResident
+from numpitron.nn.residency import AlwaysResident
+from numpitron.pipeline_parallel.placement import StagePlacement
 from numpitron.tensor_parallel.regions import make_region
-from numpitron.precision.formats import FORMATS
+from numpitron.tensor_parallel.vocab_parallel import VocabParallelEmbedding
 
 TOKEN_EMBEDDING = "embedding.token.weight"
 
@@ -46,14 +46,16 @@ class GPTStage(Layer):
     embeddings open virtual stage 0, the head closes the last. Block names stay global
     (`blocks.5...`), whichever rank holds them."""
 
-    def __init__(self, model_cfg: ModelConfig, topo, seed: int = 0, sequence_parallel: bool = False,
+    def __init__(self, model_cfg, topo, seed: int = 0, sequence_parallel: bool = False,
                  recompute: str = "none", loss_weight: float = 1.0, virtual_stages: int = 1,
-                 tp_comm_overlap: bool = True, v_shape: bool = False):
-        """loss_weight: the weight the schedule gives each micro-batch's loss (1/m); the
-        last stage's head receives it as its output gradient, every MoE layer scales its
-        aux loss's gradient by it (the role of Megatron's MoEAuxLossAutoScaler).
-        v_shape: the chunks placed in a V (ZB-V, DualPipeV) instead of a loop."""
-        self.model_cfg, self.topo, self.loss_weight = model_cfg, topo, loss_weight
+                 tp_comm_overlap: bool = True, v_shape: bool = False, experts=None):
+        """model_cfg: a config.ModelConfig; loss_weight: the weight the schedule gives each
+        micro-batch's loss (1/m); the last stage's head receives it as its output gradient,
+        every MoE layer scales its aux loss's gradient by it. v_shape: the chunks placed in
+        a V (ZB-V, DualPipeV) instead of a loop. experts: the stage's experts
+        (experts/stage_experts.py), or None: every block's MLP is dense."""
+        self.model_cfg, self.topo, self.experts = model_cfg, topo, experts
+        self.loss_weight = loss_weight
         self.virtual_stages = virtual_stages
         self.placement = StagePlacement(topo.pp, virtual_stages, v_shape)
         self.region = make_region(topo, sequence_parallel, tp_comm_overlap)
@@ -61,18 +63,14 @@ class GPTStage(Layer):
         # Holds the embeddings (virtual stage 0), the head (the last virtual stage).
         self.first = self.placement.rank_of(0) == topo.pp_rank
         self.last = self.placement.rank_of(self.placement.stages - 1) == topo.pp_rank
-        self.routing_log = RoutingLog(model_cfg.n_layers, model_cfg.num_experts)
-        # Aux-loss-free balancing's bias (experts/router.py): every block's, on every rank,
-        # moved by the trainer after each step; saved in the checkpoint's manifest.
-        self.routing_bias = np.zeros((model_cfg.n_layers, model_cfg.num_experts))
         self._build_embeddings_and_head()
         self._build_chunks(recompute)
         # Every parameter once, in forward order (the tied copy heads the list).
         params = self.tied + [p for layer in self.layers for p in layer.parameters() if p not in self.tied]
         self._build_stores(params, seed)
         self.summed_in_finalize = self._summed_in_finalize(params)
-        self.residency = AlwaysResident()       # ZeRO-3 installs its own (data_parallel/residency.py)
-        self.precision = FORMATS["fp32"]        # the Trainer sets a mixed precision's format
+        self.residency = AlwaysResident()       # ZeRO-3 installs its own (nn/residency.py)
+        self.precision = FULL_PRECISION         # a mixed run installs its format (precision/formats.py)
 
     def _build_embeddings_and_head(self) -> None:
         """The token embedding on the first and the last stage (`tied`: the head's copy
@@ -101,7 +99,7 @@ class GPTStage(Layer):
         for chunk in range(v):
             start, stop = shard_bounds(c.n_layers, self.placement.stages, self.placement.stage(topo.pp_rank, chunk))
             blocks = [Block(f"blocks.{i}", c.d_model, c.n_heads, c.n_layers, topo, self.region,
-                            keep_probs=recompute != "selective", moe=self._moe_settings(i))
+                            keep_probs=recompute != "selective", mlp=self._experts_of(i))
                       for i in range(start, stop)]
             # Full recomputation keeps each block's input only (nn/recompute.py).
             block_layers = [Recomputed(b) for b in blocks] if recompute == "full" else blocks
@@ -115,7 +113,7 @@ class GPTStage(Layer):
     def _build_stores(self, params, seed: int) -> None:
         """The two flat buffers (the experts apart: averaged over another group), each
         parameter drawn in full from (seed, name) and cut to this rank's slice."""
-        experts = [p for b in self.blocks if isinstance(b.mlp, MixtureOfExperts) for p in b.mlp.experts.parameters()]
+        experts = self.experts.parameters() if self.experts else []
         self.store = ParamStore([p for p in params if p not in experts], self.dtype, self.topo.tp_rank)
         self.expert_store = ParamStore(experts, self.dtype, self.topo.tp_rank)
         self.stores = [self.store] + ([self.expert_store] if experts else [])
@@ -129,12 +127,10 @@ class GPTStage(Layer):
     @loss_weight.setter
     def loss_weight(self, weight: float) -> None:
         """The weight of each micro-batch's loss, 1/m. A ramp-up (--rampup-batch-size)
-        changes m from step to step, so every MoE router, which scales its aux loss's
-        gradient by the same weight, follows it."""
+        changes m from step to step; the experts' routers scale their aux loss by it too."""
         self._loss_weight = weight
-        for block in getattr(self, "blocks", []):
-            if isinstance(block.mlp, MixtureOfExperts):
-                block.mlp.router.loss_weight = weight
+        if self.experts:
+            self.experts.set_loss_weight(weight)
 
     def _summed_in_finalize(self, params) -> list:
         """The parameters whose gradients are final only after `finalize_grads`: the tied
@@ -144,15 +140,10 @@ class GPTStage(Layer):
         replicated = [p for p in params if p.split_axis is None] if self.region.sequence_parallel else []
         return self.tied + [p for p in replicated if p not in self.tied]
 
-    def _moe_settings(self, block: int) -> dict | None:
-        c = self.model_cfg
-        if not c.is_moe_block(block):
-            return None
-        bias = c.moe_load_balancing == "bias"
-        return dict(num_experts=c.num_experts, top_k=c.moe_top_k, capacity_factor=c.moe_capacity_factor,
-                    aux_loss_coef=0.0 if bias else c.moe_aux_loss_coef, loss_weight=self.loss_weight, block=block,
-                    log=self.routing_log, balance_bias=self.routing_bias[block] if bias else None,
-                    shared_experts=c.moe_shared_experts, expert_hidden=c.moe_expert_hidden, region=self.region)
+    def _experts_of(self, block: int):
+        """Block `block`'s mixture of experts, or None: its MLP is the dense one."""
+        return self.experts.mlp(block, f"blocks.{block}.mlp", Block.out_std(self.model_cfg.n_layers), self.region,
+                                self.loss_weight) if self.experts else None
 
     def holds_embeddings(self, chunk: int) -> bool:
         """Whether `chunk` is virtual stage 0: it starts with the embeddings."""
@@ -167,35 +158,25 @@ class GPTStage(Layer):
         """The pp rank whose head computes the loss (the last; rank 0 in a V)."""
         return self.placement.rank_of(self.placement.stages - 1)
 
-    def tied_group(self) -> Comm:
+    def tied_group(self):
         """The ranks holding a copy of the token embedding, whose gradients are summed:
         the first and the last pp rank (the topology's embedding group), or this rank
         alone when it holds both ends (one process, or the V), one copy for both."""
-        both_here = self.first and self.last
-        return Comm(None, self.topo.stats, "embedding") if both_here else self.topo.embedding_comm
+        return self.topo.alone("embedding") if self.first and self.last else self.topo.embedding_comm
 
     def parameters(self):
         return [p for store in self.stores for p in store.params]
 
-    def linear_layers(self) -> dict:
-        """This rank's linear layers by name, the ones whose products --precision fp8 takes
-        in fp8 (precision/fp8.py), as Transformer Engine's recipe does; the head, attention's
-        scores and the routed experts keep bf16."""
-        found, todo = {}, list(self.blocks)
-        while todo:
-            layer = todo.pop()
-            if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
-                found[layer.weight.name.removesuffix(".weight")] = layer
-            else:
-                todo += [v for v in vars(layer).values() if isinstance(v, Layer)]
-        return found
+    def whole_backward_layers(self) -> list:
+        """The layers with only a whole backward, which a zero-bubble schedule cannot split."""
+        return [layer for layer in self.layers if not layer.splits_backward()]
 
     def input_shape(self, B: int, T: int) -> tuple:
         """What a chunk receives from the previous virtual stage: activations (B, T, C),
         the sequence split over tp when sequence-parallel."""
         return (B, shard_size(T, self.region.parts), self.model_cfg.d_model)
 
-    def forward(self, inputs, targets=None, kv: KVCache | None = None, chunk: int = 0):
+    def forward(self, inputs, targets=None, kv=None, chunk: int = 0):
         """inputs: token ids (B, T) into virtual stage 0, activations (B, T, C) elsewhere.
         Returns (output, cache): the last virtual stage's output is the mean loss, or
         the logits (B, T, V/tp) without targets; the others' are activations to send on."""
@@ -210,18 +191,6 @@ class GPTStage(Layer):
         if kv is not None:
             kv.advance(inputs.shape[1])
         return x, caches
-
-    @property
-    def precision(self):
-        return self._precision
-
-    @precision.setter
-    def precision(self, fmt) -> None:
-        """The run's number format: `_round` rounds to it, and every layer rounds what it
-        produces to it and keeps its activations in it (nn/layer.py, Layer.precision)."""
-        self._precision = fmt
-        for layer in sublayers(self.layers):
-            layer.precision = fmt
 
     def _round(self, x):
         """Activations and their gradients, as one layer hands them to the next, in the
@@ -287,9 +256,3 @@ class GPTStage(Layer):
         if self.tied:
             self.tied_group().all_reduce(self.token_embedding.weight.grad)
         grads_ready(self.summed_in_finalize)
-
-    def new_kv_cache(self, batch: int, chunk: int = 0) -> KVCache:
-        """An empty key/value cache for generating `batch` sequences through a chunk."""
-        heads = shard_size(self.model_cfg.n_heads, self.topo.tp)
-        return KVCache(len(self.chunk_blocks[chunk]), batch, heads, self.model_cfg.seq_len, self.model_cfg.head_dim,
-                       self.dtype)

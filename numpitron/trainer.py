@@ -16,19 +16,19 @@ The steps (docs/architecture.md, "One training step"):
 
 import numpy as np
 
-from numpitron.data.batches import global_batch
-from numpitron.distributed.agree import on_every_rank
+from numpitron.build import build_stage
 from numpitron.context_parallel.zigzag import local_positions
-from numpitron.distributed.sharding import shard_bounds
-from numpitron.model import GPTStage
-from numpitron.precision.fp8 import DelayedScaling
-from numpitron.experts.router import update_balance_bias
+from numpitron.data.batches import global_batch
 from numpitron.data_parallel.distributed_optimizer import step_together
-from numpitron.precision.master_weights import step_mixed
-from numpitron.optim.schedule import learning_rate
+from numpitron.distributed.agree import on_every_rank
+from numpitron.distributed.sharding import shard_bounds
+from numpitron.experts.router import update_balance_bias
 from numpitron.optim.factory import make_optimizers
-from numpitron.precision.formats import FORMATS, LossScaler
+from numpitron.optim.schedule import learning_rate
 from numpitron.pipeline_parallel.executor import check_backward_splits, forward_only, run_schedule
+from numpitron.precision.formats import FORMATS, LossScaler, use_format
+from numpitron.precision.fp8 import DelayedScaling, linear_layers
+from numpitron.precision.master_weights import step_mixed
 
 
 class Trainer:
@@ -38,10 +38,10 @@ class Trainer:
         self.model_cfg, self.parallel_cfg, self.train_cfg, self.topo = model_cfg, parallel_cfg, train_cfg, topo
         self.num_microbatches = train_cfg.num_microbatches(topo.dp)
         self.global_batch_size = train_cfg.global_batch(topo.dp)
-        self.model = GPTStage(model_cfg, topo, seed=train_cfg.seed, sequence_parallel=parallel_cfg.sequence_parallel,
-                              recompute=parallel_cfg.recompute, loss_weight=1.0 / self.num_microbatches,
-                              virtual_stages=parallel_cfg.virtual_stages, v_shape=parallel_cfg.v_shaped,
-                              tp_comm_overlap=parallel_cfg.tp_comm_overlap)
+        self.model = build_stage(model_cfg, topo, seed=train_cfg.seed, sequence_parallel=parallel_cfg.sequence_parallel,
+                                 recompute=parallel_cfg.recompute, loss_weight=1.0 / self.num_microbatches,
+                                 virtual_stages=parallel_cfg.virtual_stages, v_shape=parallel_cfg.v_shaped,
+                                 tp_comm_overlap=parallel_cfg.tp_comm_overlap)
         self.eval_batch_size = self.global_batch_size       # evaluation always takes the full batch
         # Every rank learns if any stage holds a layer the schedule cannot run.
         on_every_rank(topo.world, lambda: check_backward_splits(self.model, parallel_cfg.schedule))
@@ -53,12 +53,12 @@ class Trainer:
         # Mixed precision (docs/16-numbers.md): activations rounded between layers,
         # gradients rounded, unscaled and checked by `step_mixed`.
         self.precision = FORMATS[train_cfg.precision]
-        self.model.precision = self.precision
+        use_format(self.model, self.precision)
         self.scaler = LossScaler(self.precision, train_cfg.loss_scale, train_cfg.loss_scale_window)
         # FP8: the linear layers' products take per-tensor scales from amax histories.
-        self.fp8 = DelayedScaling(list(self.model.linear_layers()), topo.world) if self.precision.fp8_matmuls else None
+        self.fp8 = DelayedScaling(list(linear_layers(self.model)), topo.world) if self.precision.fp8_matmuls else None
         if self.fp8:
-            self.fp8.install(self.model.linear_layers())
+            self.fp8.install(linear_layers(self.model))
         self.iteration = 0          # number of completed optimizer steps
         self.best_val_loss = float("inf")
         self.set_batch(0)
@@ -90,7 +90,8 @@ class Trainer:
         """Iteration `self.iteration`: returns loss, lr, grad_norm (same on every rank)."""
         for optimizer in self.optimizers:
             optimizer.zero_grad()
-        self.model.routing_log.reset()
+        if self.model.experts:
+            self.model.experts.log.reset()
         self.set_batch(self.iteration)
         batches = self.microbatches(train_tokens, "train", self.iteration)
         mixed = self.precision.mixed
@@ -113,7 +114,7 @@ class Trainer:
             out.update(self.routing_metrics())
             out["train_loss"] += out["moe_aux_loss"]
             if self.model_cfg.moe_load_balancing == "bias":      # from this step's global load
-                update_balance_bias(self.model.routing_bias, self.model.routing_log.tokens,
+                update_balance_bias(self.model.experts.bias, self.model.experts.log.tokens,
                                     self.model_cfg.moe_bias_update_rate)
         return out
 
@@ -129,7 +130,7 @@ class Trainer:
         balance: its busiest expert's load over the mean load. After the reduction the
         counts are the global ones on every rank: each stage's blocks summed over pp,
         every rank that routes over dp and cp (ep lies inside dp; tp ranks route alike)."""
-        log, topo, c = self.model.routing_log, self.topo, self.model_cfg
+        log, topo, c = self.model.experts.log, self.topo, self.model_cfg
         buf = log.vector()
         topo.dp_cp_comm.all_reduce(buf)
         topo.pp_comm.all_reduce(buf)

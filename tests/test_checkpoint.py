@@ -14,7 +14,7 @@ from numpitron.checkpoint import (export_npz, import_npz, latest_checkpoint, loa
                                   load_model_weights, read_manifest, save_checkpoint)
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
-from numpitron.model import GPTStage
+from numpitron.build import build_stage
 from numpitron.checkpoint.prune import OWNER_MARKER
 from tests.harness import CHECKPOINT_MODEL as MODEL, CHECKPOINT_TOKENS as TOKENS
 from tests.harness import checkpoint_trainer as make_trainer, rewrite_manifest, train_steps
@@ -160,7 +160,7 @@ def test_model_config_mismatch_names_every_field(saved):
         load_checkpoint(saved[0], make_trainer(other))
     assert str(caught.value) == "checkpoint model config differs from the flags: n_layers 2 != 4, d_model 32 != 64"
     with pytest.raises(UserError, match="n_heads 2 != 4"):
-        load_model_weights(saved[0], GPTStage(replace(MODEL, n_heads=4), Topology.serial()),
+        load_model_weights(saved[0], build_stage(replace(MODEL, n_heads=4), Topology.serial()),
                            replace(MODEL, n_heads=4))
 
 
@@ -234,7 +234,7 @@ def test_missing_shard_is_refused(copy_of):
 
 def test_load_model_weights_restores_parameters_only(saved):
     path, trainer = saved
-    model = GPTStage(MODEL, Topology.serial(), seed=99)
+    model = build_stage(MODEL, Topology.serial(), seed=99)
     manifest = load_model_weights(path, model, MODEL)
     assert manifest["iteration"] == 3
     assert np.array_equal(model.store.data, trainer.model.store.data)

@@ -13,7 +13,7 @@ import pytest
 from numpitron.checkpoint import export_npz, import_npz, load_checkpoint, load_model_weights, save_checkpoint
 from numpitron.checkpoint.convert import CONFIG_KEY
 from numpitron.errors import UserError
-from numpitron.model import GPTStage
+from numpitron.build import build_stage
 from tests.harness import CHECKPOINT_MODEL as MODEL, CHECKPOINT_TOKENS as TOKENS, checkpoint_trainer as make_trainer
 from tests.harness import rewrite_manifest, snapshot
 from tests.harness import train_steps
@@ -55,7 +55,7 @@ def test_a_tp_rank_without_pieces_is_refused_by_resume_sampling_and_export(victi
     before = snapshot(victim.parent)
     fragment = "leave 2048 of its elements uncovered on tp rank 1 of 2"
     refused(lambda: load_checkpoint(victim, make_trainer()), "blocks.0.mlp.proj.weight", fragment)
-    refused(lambda: load_model_weights(victim, GPTStage(MODEL, make_trainer().topo), MODEL), fragment)
+    refused(lambda: load_model_weights(victim, build_stage(MODEL, make_trainer().topo), MODEL), fragment)
     refused(lambda: export_npz(victim, tmp_path / "w.npz"), fragment)
     assert snapshot(victim.parent) == before and not (tmp_path / "w.npz").exists()
 
@@ -128,9 +128,9 @@ def test_import_writes_a_format2_checkpoint_that_loads_exactly(victim, tmp_path)
     imported = import_npz(archive, tmp_path / "fresh")
     manifest = json.loads((imported / "manifest.json").read_text())
     assert manifest["format_version"] == 2 and list(manifest["files"]) == ["shards/rank-00000.bin"]
-    model = GPTStage(MODEL, make_trainer().topo, seed=5)
+    model = build_stage(MODEL, make_trainer().topo, seed=5)
     load_model_weights(imported, model, MODEL)
-    expected = GPTStage(MODEL, make_trainer().topo, seed=6)
+    expected = build_stage(MODEL, make_trainer().topo, seed=6)
     load_model_weights(victim, expected, MODEL)
     assert np.array_equal(model.store.data, expected.store.data)
 

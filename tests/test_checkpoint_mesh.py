@@ -183,10 +183,10 @@ def test_expert_routing_bias_resumes_on_another_mesh(shared_dir):
     assert rel_diff(train_steps(source, 3, TOKENS), expected[:3]) <= EQUIV_RTOL_FLOAT64
     path = save_checkpoint(shared_dir / "bias", source)
     saved = np.array(read_manifest(path)["moe_routing_bias"])
-    assert np.array_equal(saved, source.model.routing_bias) and np.any(saved)
+    assert np.array_equal(saved, source.model.experts.bias) and np.any(saved)
     resumed = make_trainer(model_cfg, train_cfg(), pipeline=2)
     load_checkpoint(path, resumed)
-    assert np.array_equal(resumed.model.routing_bias, saved)
+    assert np.array_equal(resumed.model.experts.bias, saved)
     assert rel_diff(train_steps(resumed, 3, TOKENS), expected[3:]) <= EQUIV_RTOL_FLOAT64
     if MPI.COMM_WORLD.rank == 0:
         rewrite_manifest(path, lambda manifest: manifest.update(moe_routing_bias=[[0.0, 1.0]]))
@@ -194,4 +194,4 @@ def test_expert_routing_bias_resumes_on_another_mesh(shared_dir):
     fresh = make_trainer(model_cfg, train_cfg(), pipeline=2)
     with pytest.raises(UserError, match="moe_routing_bias is not 2 x 4 finite numbers"):
         load_checkpoint(path, fresh)
-    assert fresh.iteration == 0 and not np.any(fresh.model.routing_bias)
+    assert fresh.iteration == 0 and not np.any(fresh.model.experts.bias)

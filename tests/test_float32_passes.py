@@ -16,7 +16,7 @@ import numpy as np
 import numpitron
 from numpitron.config import ModelConfig
 from numpitron.distributed.topology import Topology
-from numpitron.model import GPTStage
+from numpitron.build import build_stage
 from numpitron.nn.functional import bias_gelu_forward, gelu_backward_, softmax_lastdim_with_lse_
 from numpitron.nn.layernorm import LayerNorm
 from numpitron.nn.param_store import ParamStore
@@ -106,7 +106,7 @@ def numpy_float_scalars(obj, path, seen):
 
 def test_no_numpy_float_constants_in_layers_or_modules():
     cfg = ModelConfig(vocab_size=11, seq_len=8, n_layers=2, n_heads=2, d_model=8, dtype="float32").validate()
-    model = GPTStage(cfg, Topology.serial(), seed=0)
+    model = build_stage(cfg, Topology.serial(), seed=0)
     assert model.blocks[0].attn.scale > 0          # the walk below must reach the layers' constants
     assert numpy_float_scalars(model, "model", set()) == []
     for info in pkgutil.walk_packages(numpitron.__path__, "numpitron."):

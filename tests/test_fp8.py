@@ -10,7 +10,8 @@ from mpi4py import MPI
 from numpitron.checkpoint import load_checkpoint, read_manifest, save_checkpoint
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
-from numpitron.precision.fp8 import E4M3, E5M2, PLAIN, DelayedScaling, Fp8Matmul, quantize, scales_from
+from numpitron.nn.matmul import PLAIN
+from numpitron.precision.fp8 import E4M3, E5M2, DelayedScaling, Fp8Matmul, linear_layers, quantize, scales_from
 from numpitron.precision.formats import check_precision
 from tests.harness import (assert_on_every_rank, error_lines, make_trainer, run, run_script, tiny_model, tiny_train,
                            train_steps)
@@ -62,7 +63,7 @@ def test_a_tiny_model_trains_in_fp8_close_to_bf16():
                                     Topology.serial()), 20, LEARNABLE)
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] / 2, losses
     assert abs(losses[-1] - bf16[-1]) < 0.1 * bf16[-1], (losses[-1], bf16[-1])
-    linears = fp8.model.linear_layers()
+    linears = linear_layers(fp8.model)
     assert len(linears) == 4 * fp8.model_cfg.n_layers
     assert all(isinstance(layer.matmul, Fp8Matmul) for layer in linears.values())
     assert np.all(fp8.fp8.history[:, :, :20].max(axis=-1) > 0)          # every layer, every role, seen

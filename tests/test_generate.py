@@ -11,8 +11,8 @@ from mpi4py import MPI
 from numpitron.checkpoint import save_checkpoint
 from numpitron.data.tokenizer import CharTokenizer
 from numpitron.distributed.topology import Topology
-from numpitron.generate import generate, next_token_logits
-from numpitron.model import GPTStage
+from numpitron.generate import generate, new_kv_cache, next_token_logits
+from numpitron.build import build_stage
 from tests.conftest import REPO
 from tests.harness import make_trainer, tiny_model, tiny_tokens, tiny_train
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
@@ -22,10 +22,10 @@ def test_kv_cache_matches_full_forward():
     """The model's own forward, given a cache, one position at a time (and a prompt
     of 5 at once) gives the logits of one full forward."""
     cfg = tiny_model()
-    model = GPTStage(cfg, Topology.serial(), seed=3)
+    model = build_stage(cfg, Topology.serial(), seed=3)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, cfg.seq_len))
     expected = model.forward(ids)[0][:, :, :cfg.vocab_size]
-    kv = model.new_kv_cache(2)
+    kv = new_kv_cache(model, 2)
     prompt = 5
     got = [next_token_logits(model, ids[:, :prompt], kv)]
     for pos in range(prompt, cfg.seq_len):
@@ -36,7 +36,7 @@ def test_kv_cache_matches_full_forward():
 
 def test_same_seed_same_tokens_and_window_slides_past_seq_len():
     cfg = tiny_model()
-    model = GPTStage(cfg, Topology.serial(), seed=3)
+    model = build_stage(cfg, Topology.serial(), seed=3)
     a = generate(model, [1, 2, 3], 3 * cfg.seq_len, num_samples=2, temperature=1.0, top_k=10, seed=5)
     b = generate(model, [1, 2, 3], 3 * cfg.seq_len, num_samples=2, temperature=1.0, top_k=10, seed=5)
     c = generate(model, [1, 2, 3], 3 * cfg.seq_len, num_samples=2, temperature=1.0, top_k=10, seed=6)
@@ -83,7 +83,7 @@ def test_sampling_is_reproducible_and_every_mesh_matches_serial(checkpoint):
 
 
 def generated_on(model_cfg, topo, num_samples=4, **options):
-    model = GPTStage(model_cfg, topo, seed=3)
+    model = build_stage(model_cfg, topo, seed=3)
     return generate(model, [1, 2, 3], 2 * model_cfg.seq_len, num_samples=num_samples, seed=5, **options)
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from numpitron.config import ModelConfig
 from numpitron.distributed.topology import Topology
-from numpitron.model import GPTStage
+from numpitron.build import build_stage
 from numpitron.context_parallel import blockwise_attention
 from numpitron.nn.activation_memory import attention_area, block_activation_bytes
 from numpitron.nn.attention import ParallelAttention
@@ -162,7 +162,7 @@ def test_bias_gelu_backward_by_finite_differences():
 
 def tiny_stage():
     cfg = ModelConfig(vocab_size=V, seq_len=T, n_layers=2, n_heads=H, d_model=C, dtype="float64").validate()
-    model = GPTStage(cfg, SERIAL, seed=4)
+    model = build_stage(cfg, SERIAL, seed=4)
     rng = np.random.default_rng(9)
     model.store.data += 0.1 * rng.normal(size=model.store.size)
     tokens, targets = rng.integers(0, V, (B, T)), rng.integers(0, V, (B, T))

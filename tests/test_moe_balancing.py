@@ -43,9 +43,9 @@ def test_training_moves_the_bias_from_the_step_load_without_an_aux_loss():
     trainer = make_trainer(model_cfg, tiny_train(), SERIAL)
     steps, biases = [], []
     for _ in range(3):
-        before = trainer.model.routing_bias.copy()
+        before = trainer.model.experts.bias.copy()
         steps.append(trainer.train_step(np.random.default_rng(0).integers(0, 65, 6000).astype(np.uint16)))
-        biases.append((before, trainer.model.routing_bias.copy()))
+        biases.append((before, trainer.model.experts.bias.copy()))
     for step, (before, after) in zip(steps, biases):
         load = np.array(step["moe_tokens_per_expert"], float)
         assert np.array_equal(after, before + 0.01 * np.sign(load.mean(axis=1, keepdims=True) - load))
@@ -80,12 +80,12 @@ def test_bias_balancing_matches_serial(mesh):
     """Ten float64 iterations equal to one process: had any rank counted only its own
     tokens (or only its stage's blocks), its bias and then its routing would differ."""
     result = check_mesh(mesh, model={**BIAS, "moe_capacity_factor": 1.0} if "tensor" in mesh else BIAS)
-    bias = result.trainer.model.routing_bias
+    bias = result.trainer.model.experts.bias
     assert identical_over(result.trainer.topo.world, bias) and np.count_nonzero(bias) > 4
 
 
 @pytest.mark.parallel(nprocs=4)
 def test_bias_balancing_on_pp_dp_ep_matches_serial():
     result = check_mesh(dict(pipeline=2, data=2, expert=2, schedule="1f1b"), model=BIAS)
-    bias = result.trainer.model.routing_bias
+    bias = result.trainer.model.experts.bias
     assert identical_over(result.trainer.topo.world, bias) and np.count_nonzero(bias) > 4

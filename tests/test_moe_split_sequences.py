@@ -51,7 +51,7 @@ def check_split(mesh: dict, model: dict):
     trainer = check_mesh(mesh, model={**MOE, **model}).trainer
     topo = trainer.topo
     assert_on_every_rank({
-        "bias identical on every rank": identical_over(topo.world, trainer.model.routing_bias),
+        "bias identical on every rank": identical_over(topo.world, trainer.model.experts.bias),
         "experts identical over expert_dp": identical_over(topo.expert_dp_comm, trainer.model.expert_store.data),
         # the ep group: ep consecutive ranks of dp x cp (dp_cp_rank = dp_rank * cp + cp_rank)
         "ep": (topo.ep_comm.mpi.allgather(topo.dp_cp_rank),
@@ -111,5 +111,5 @@ def test_a_checkpoint_from_cp_and_ep_resumes_on_sp(shared_dir):
     path = save_checkpoint(shared_dir / "from-cp-ep", source)
     resumed = make_trainer(model_cfg, train_cfg, tensor=2, sequence_parallel=True)
     load_checkpoint(path, resumed)
-    assert np.array_equal(resumed.model.routing_bias, source.model.routing_bias)
+    assert np.array_equal(resumed.model.experts.bias, source.model.experts.bias)
     assert rel_diff(train_steps(resumed, 3, tokens), expected[3:]) <= EQUIV_RTOL_FLOAT64

@@ -11,7 +11,7 @@ import numpy as np
 
 from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
 from numpitron.distributed.topology import Topology
-from numpitron.model import GPTStage
+from numpitron.build import build_stage
 from numpitron.optim.adamw import AdamW
 from numpitron.optim.grad_norm import clip_, global_grad_norm
 from numpitron.optim.schedule import learning_rate
@@ -37,7 +37,7 @@ def test_step_count_increments_every_update():
     # and through both optimizers a trainer uses (serial topology)
     train = TrainConfig(grad_clip=1.0, weight_decay=0.1)
     for zero in (0, 1):
-        model = GPTStage(tiny_cfg(), Topology.serial(), seed=1)
+        model = build_stage(tiny_cfg(), Topology.serial(), seed=1)
         optimizer = make_optimizer(model.store, Topology.serial(), train, ParallelConfig(zero_stage=zero))
         for k in range(1, 4):
             model.store.grad[:] = 1e-3
@@ -103,7 +103,7 @@ def tiny_cfg():
 
 def test_global_grad_norm_serial_is_the_plain_norm():
     topo = Topology.serial()
-    model = GPTStage(tiny_cfg(), topo, seed=0)
+    model = build_stage(tiny_cfg(), topo, seed=0)
     model.store.grad[:] = np.random.default_rng(3).normal(size=model.store.size)
     assert np.all(model.store.norm_mask == 1)                 # one process counts everything
     norm = global_grad_norm(model.store.grad, model.store.norm_runs, topo.model_comm)
@@ -112,7 +112,7 @@ def test_global_grad_norm_serial_is_the_plain_norm():
 
 
 def test_decay_mask_is_matrices_and_embeddings_only():
-    model = GPTStage(tiny_cfg(), Topology.serial(), seed=0)
+    model = build_stage(tiny_cfg(), Topology.serial(), seed=0)
     names = [p.name for p in model.parameters()]
     assert "embedding.token.weight" in names and "embedding.position.weight" in names
     for p in model.parameters():

@@ -15,7 +15,7 @@ from mpi4py import MPI
 from numpitron.config import ModelConfig
 from numpitron.distributed.gather import gather_full
 from numpitron.distributed.topology import Topology
-from numpitron.model import GPTStage
+from numpitron.build import build_stage
 from numpitron.nn.attention import ParallelAttention
 from numpitron.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 from numpitron.tensor_parallel.vocab_parallel import TiedLMHead, VocabParallelEmbedding
@@ -187,7 +187,7 @@ def tiny_cfg():
 @pytest.mark.parallel(nprocs=[2, 4])
 def test_gpt_stage_init_and_replicated_grads():
     topo = Topology.from_world(tensor=MPI.COMM_WORLD.Get_size())
-    model, ref = GPTStage(tiny_cfg(), topo, seed=3), GPTStage(tiny_cfg(), Topology.serial(), seed=3)
+    model, ref = build_stage(tiny_cfg(), topo, seed=3), build_stage(tiny_cfg(), Topology.serial(), seed=3)
     init = gather_full(model, topo, {"params": model.store.data})
     rng = np.random.default_rng(4)
     tokens, targets = rng.integers(0, V, (2, 8)), rng.integers(0, V, (2, 8))

@@ -12,7 +12,7 @@ from mpi4py import MPI
 from numpitron.config import ParallelConfig
 from numpitron.distributed.gather import saved_params
 from numpitron.distributed.topology import Topology
-from numpitron.model import GPTStage
+from numpitron.build import build_stage
 from numpitron.plan.__main__ import parameter_counts
 from tests.conftest import REPO
 from tests.harness import tiny_model
@@ -28,7 +28,7 @@ def held(model) -> int:
 @pytest.mark.parametrize("experts", [{}, MOE, SHARED], ids=["dense", "experts", "shared-experts"])
 def test_total_and_active_equal_a_real_models_parameters(experts):
     model_cfg = tiny_model(**experts)
-    model = GPTStage(model_cfg, Topology.serial())
+    model = build_stage(model_cfg, Topology.serial())
     stored = sum(math.prod(p.logical_shape) for store in model.stores for p in saved_params(model, store))
     # Per token an MoE block runs top-k of its experts: leave out experts k .. E-1.
     idle = sum(math.prod(p.logical_shape) for p in model.parameters()
@@ -72,6 +72,6 @@ def test_per_stage_counts_equal_what_each_pipeline_rank_holds(schedule, experts)
     model_cfg = tiny_model(**experts)
     parallel = ParallelConfig(schedule=schedule, virtual_stages=2 if schedule == "interleaved" else 1).validate()
     topo = Topology.from_world(1, 2, 1)
-    model = GPTStage(model_cfg, topo, virtual_stages=parallel.virtual_stages, v_shape=parallel.v_shaped)
+    model = build_stage(model_cfg, topo, virtual_stages=parallel.virtual_stages, v_shape=parallel.v_shaped)
     per_rank = MPI.COMM_WORLD.allgather(held(model))
     assert per_rank == sizes(model_cfg, parallel, 2)["per_stage"]

@@ -14,6 +14,7 @@ from numpitron.pipeline_parallel.placement import StagePlacement
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
 from numpitron.model import GPTStage
+from numpitron.build import build_stage
 from numpitron.nn.layer import Layer
 from numpitron.pipeline_parallel.executor import check_backward_splits
 from numpitron.pipeline_parallel.schedules import (BACKWARD, FORWARD, Op, closed_form_bubble, format_schedule, make_schedule,
@@ -201,7 +202,7 @@ class WholeBackwardOnly(Layer):
 
 
 def test_zero_bubble_refuses_a_layer_that_cannot_split_its_backward():
-    model = GPTStage(tiny_model(), Topology.serial())
+    model = build_stage(tiny_model(), Topology.serial())
     check_backward_splits(model, "zero-bubble")            # every layer of the GPT splits
     model.layers.append(WholeBackwardOnly())
     check_backward_splits(model, "1f1b")                    # a whole backward is all 1F1B needs

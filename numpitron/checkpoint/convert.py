@@ -83,10 +83,10 @@ def serial_model(model_cfg, what: str, twice: bool = False):
     checkpoint holds), after checking that it fits in memory (`twice`: with a second
     copy of its parameters beside it). It communicates with nobody."""
     from numpitron.distributed.topology import Topology
-    from numpitron.model import GPTStage
+    from numpitron.build import build_stage
     topo = Topology.serial()
     check_model_fits(model_cfg, topo, parameter_copies=int(twice), what=what)
-    model = GPTStage(model_cfg, topo)
+    model = build_stage(model_cfg, topo)
     return model, {p.name: p.logical_shape for store in model.stores for p in saved_params(model, store)}
 
 

@@ -106,7 +106,7 @@ def _load_training_state(path: Path, trainer) -> dict:
               for store, optimizer in zip(model.stores, trainer.optimizers)]
     for optimizer, values in zip(trainer.optimizers, wanted):
         optimizer.state.load(lambda buffer, lo, hi, values=values: values[buffer, lo, hi], manifest["adam_step"])
-    model.routing_bias[...] = bias
+    routing_bias(model)[...] = bias
     trainer.scaler.restore(scaler)
     if trainer.fp8:                 # another precision's run has none: it calibrates again
         trainer.fp8.load_state(amax_history)
@@ -125,7 +125,7 @@ def _load_weights(path: Path, model, expected_model_cfg) -> dict:
     bias = saved_routing_bias(manifest, model, path)
     for store, flat in zip(model.stores, flats):
         store.data[...] = flat
-    model.routing_bias[...] = bias
+    routing_bias(model)[...] = bias
     return manifest
 
 
@@ -144,6 +144,12 @@ def saved_amax_history(manifest: dict, path: Path) -> dict:
     return checked
 
 
+def routing_bias(model) -> np.ndarray:
+    """The experts' balancing bias (n_layers x E), or an empty one (n_layers x 0) without
+    experts: every manifest holds one, so a checkpoint's shape tells what it trained."""
+    return model.experts.bias if model.experts else np.zeros((model.model_cfg.n_layers, 0))
+
+
 def saved_routing_bias(manifest: dict, model, path: Path) -> np.ndarray:
     """The routers' balancing bias (experts/router.py) for `model`, the same on any mesh,
     checked; a checkpoint from before it was saved has none (zeros: what an aux-loss
@@ -152,12 +158,12 @@ def saved_routing_bias(manifest: dict, model, path: Path) -> np.ndarray:
     if saved is None:
         if model.model_cfg.moe_load_balancing == "bias" and model.model_cfg.num_experts:
             raise UserError(f"corrupt checkpoint manifest in {path}: moe_routing_bias is missing")
-        return np.zeros_like(model.routing_bias)
+        return np.zeros_like(routing_bias(model))
     try:
         bias = np.array(saved, dtype=np.float64)
     except (TypeError, ValueError):
         bias = None
-    if bias is None or bias.shape != model.routing_bias.shape or not np.all(np.isfinite(bias)):
+    if bias is None or bias.shape != routing_bias(model).shape or not np.all(np.isfinite(bias)):
         raise UserError(f"corrupt checkpoint manifest in {path}: moe_routing_bias is not "
-                        f"{model.routing_bias.shape[0]} x {model.routing_bias.shape[1]} finite numbers")
+                        f"{routing_bias(model).shape[0]} x {routing_bias(model).shape[1]} finite numbers")
     return bias

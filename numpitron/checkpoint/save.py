@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from numpitron.checkpoint.load import routing_bias
 from numpitron.checkpoint.manifest import (FORMAT_VERSION, LATEST_NAME, MANIFEST_NAME, TMP_PREFIX, is_latest_pointer,
                                            iter_dir_name, write_json_synced)
 from numpitron.checkpoint.prune import OWNER_MARKER, prune_checkpoints, written_by_us
@@ -124,7 +125,7 @@ def checkpoint_fields(trainer) -> dict:
         "data_state": {"sampler": "seeded-per-iteration", "seed": seed, "next_iteration": int(trainer.iteration)},
         # Aux-loss-free balancing's bias: no optimizer state, the same on every rank and
         # for any mesh, small (n_layers x E): stored here whole (JSON floats round-trip).
-        "moe_routing_bias": trainer.model.routing_bias.tolist(),
+        "moe_routing_bias": routing_bias(trainer.model).tolist(),
         # Mixed precision's dynamic loss scale (docs/16-numbers.md): a resumed fp16 run
         # scales, skips and doubles as the uninterrupted one would.
         "loss_scaler": trainer.scaler.checkpoint(),

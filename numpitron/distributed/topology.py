@@ -195,6 +195,10 @@ class Topology:
     def mesh(self) -> Mesh:
         return Mesh(self.tp, self.pp, self.dp, self.cp, self.ep, self.dp_shard)
 
+    def alone(self, name: str) -> Comm:
+        """A group of this rank alone: every collective on it is a no-op that counts nothing."""
+        return Comm(None, self.stats, name)
+
     @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0

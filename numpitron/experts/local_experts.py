@@ -17,9 +17,24 @@ checkpoint stores it under the same name for any ep.
 
 import numpy as np
 
-from numpitron.nn.layer import Layer
+from numpitron.nn.layer import InFlight, Layer
 from numpitron.nn.mlp import ParallelMLP
-from numpitron.tensor_parallel.regions import DeferredSumRegion
+from numpitron.tensor_parallel.regions import ReplicatedRegion
+
+
+class DeferredSumRegion(ReplicatedRegion):
+    """Activations whole on every tp rank, as in ReplicatedRegion, but the caller makes
+    "f" and "g" itself, once for several layers: the experts below, one all-reduce for all
+    the local experts' rows. The layers leave their partial sums."""
+
+    def input_grad(self, dx):
+        return dx
+
+    def start_input_grad(self, dx) -> InFlight:
+        return InFlight(dx)
+
+    def reduce(self, y):
+        return y
 
 
 class LocalExperts(Layer):

@@ -1,5 +1,5 @@
 """A pre-LayerNorm transformer block: x + attn(ln1(x)), then + mlp(ln2(x)). The MLP
-is the dense one or, given `moe` (MixtureOfExperts' settings), a mixture of experts."""
+is the dense one unless the block is given another (a mixture of experts, experts/)."""
 
 import math
 
@@ -7,21 +7,21 @@ from numpitron.nn.attention import ParallelAttention
 from numpitron.nn.layer import Layer
 from numpitron.nn.layernorm import LayerNorm
 from numpitron.nn.mlp import ParallelMLP
-from numpitron.experts.moe import MixtureOfExperts
 
 
 class Block(Layer):
     def __init__(self, name: str, d_model: int, n_heads: int, n_layers: int, topo, region=None,
-                 keep_probs: bool = True, moe: dict | None = None):
-        # GPT-2: residual output projections scaled by 1/sqrt(2 * n_layers)
-        out_std = 0.02 / math.sqrt(2 * n_layers)
+                 keep_probs: bool = True, mlp: Layer | None = None):
+        out_std = self.out_std(n_layers)
         self.ln1 = LayerNorm(f"{name}.ln1", d_model)
         self.attn = ParallelAttention(f"{name}.attn", d_model, n_heads, topo, out_std, region, keep_probs)
         self.ln2 = LayerNorm(f"{name}.ln2", d_model)
-        if moe is None:
-            self.mlp = ParallelMLP(f"{name}.mlp", d_model, topo, out_std, region)
-        else:
-            self.mlp = MixtureOfExperts(f"{name}.mlp", d_model, topo, out_std, **moe)
+        self.mlp = mlp or ParallelMLP(f"{name}.mlp", d_model, topo, out_std, region)
+
+    @staticmethod
+    def out_std(n_layers: int) -> float:
+        """GPT-2: residual output projections drawn with std 0.02 / sqrt(2 * n_layers)."""
+        return 0.02 / math.sqrt(2 * n_layers)
 
     def parameters(self):
         return self.ln1.parameters() + self.attn.parameters() + self.ln2.parameters() + self.mlp.parameters()

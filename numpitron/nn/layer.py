@@ -96,16 +96,3 @@ class Layer:
         dx = self.start_backward_input(dy, cache)
         self.backward_weights(cache)     # while the input gradient's collective runs
         return dx.wait()
-
-
-def sublayers(layers) -> list:
-    """The layers and every layer inside them (attributes and lists of them), once each."""
-    found, seen, todo = [], set(), list(layers)
-    while todo:
-        layer = todo.pop()
-        if isinstance(layer, Layer) and id(layer) not in seen:
-            seen.add(id(layer))
-            found.append(layer)
-            for value in vars(layer).values():
-                todo += value if isinstance(value, list) else [value]
-    return found

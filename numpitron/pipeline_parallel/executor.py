@@ -106,7 +106,7 @@ class _Route:
 def check_backward_splits(model, schedule: str) -> None:
     """A schedule with separate W passes needs every layer to expose both halves."""
     if schedule in SPLIT_BACKWARD:
-        whole = [type(layer).__name__ for layer in model.layers if not layer.splits_backward()]
+        whole = [type(layer).__name__ for layer in model.whole_backward_layers()]
         if whole:
             raise UserError(f"the {schedule} schedule runs each backward as two halves, and "
                             f"{', '.join(sorted(set(whole)))} has only a whole backward (no backward_input "

@@ -21,6 +21,7 @@ from functools import cache
 from numpitron.distributed.sharding import pad_to_multiple
 from numpitron.distributed.topology import Topology
 from numpitron.nn.block import Block
+from numpitron.experts.moe import MixtureOfExperts
 from numpitron.experts.router import capacity
 from numpitron.plan.collective_bytes import all_reduce_bytes, half_bytes
 from numpitron.plan.kernels import Work, mlp_work
@@ -42,7 +43,8 @@ def moe_layer_params(model, tp: int) -> dict:
     one routed expert's}: built as rank 0 of a mesh of tp x ep = E without
     communicators (it holds one expert), never allocated."""
     topo = Topology(None, tp, 1, 1, ep=model.num_experts)
-    block = Block("blocks.0", model.d_model, model.n_heads, model.n_layers, topo, moe=moe_config(model))
+    moe = MixtureOfExperts("blocks.0.mlp", model.d_model, topo, Block.out_std(model.n_layers), **moe_config(model))
+    block = Block("blocks.0", model.d_model, model.n_heads, model.n_layers, topo, mlp=moe)
     experts = block.mlp.experts.parameters()
     return {"moe_block": tuple(p for p in block.parameters() if all(p is not e for e in experts)),
             "expert": tuple(experts)}

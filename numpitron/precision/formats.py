@@ -32,6 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from numpitron.errors import UserError
+from numpitron.nn.layer import Layer
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,28 @@ class Format:
         if self.mixed:
             with np.errstate(over="ignore"):
                 x[...] = x.astype(self.dtype)
+
+
+def use_format(model, fmt: Format) -> None:
+    """A run's number format, installed in the stage (which rounds what one layer hands
+    the next) and in every layer inside it (which rounds what it produces and keeps its
+    activations in the format: nn/layer.py)."""
+    model.precision = fmt
+    for layer in sublayers(model.layers):
+        layer.precision = fmt
+
+
+def sublayers(layers) -> list:
+    """The layers and every layer inside them (attributes and lists of them), once each."""
+    found, seen, todo = [], set(), list(layers)
+    while todo:
+        layer = todo.pop()
+        if isinstance(layer, Layer) and id(layer) not in seen:
+            seen.add(id(layer))
+            found.append(layer)
+            for value in vars(layer).values():
+                todo += value if isinstance(value, list) else [value]
+    return found
 
 
 # bf16 keeps fp32's 8 exponent bits (range to 3e38): gradients neither overflow nor

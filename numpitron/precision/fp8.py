@@ -41,7 +41,9 @@ same scales for every layer, the ones one process would have.
 import ml_dtypes
 import numpy as np
 
+from numpitron.nn.layer import Layer
 from numpitron.nn.matmul import PlainMatmul
+from numpitron.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E5M2 = np.dtype(ml_dtypes.float8_e5m2)
@@ -71,6 +73,20 @@ def scales_from(amax: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore"):
         exponent = np.floor(np.log2(FMAX / amax)) - MARGIN
     return np.where(amax > 0, np.exp2(exponent), 0.0).astype(np.float32)
+
+
+def linear_layers(model) -> dict:
+    """This rank's linear layers by name, the ones whose products --precision fp8 takes
+    in fp8, as Transformer Engine's recipe does; the head, attention's scores and the
+    routed experts keep bf16."""
+    found, todo = {}, list(model.blocks)
+    while todo:
+        layer = todo.pop()
+        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+            found[layer.weight.name.removesuffix(".weight")] = layer
+        else:
+            todo += [v for v in vars(layer).values() if isinstance(v, Layer)]
+    return found
 
 
 class Fp8Matmul(PlainMatmul):

@@ -127,20 +127,5 @@ class SequenceParallelRegion(ReplicatedRegion):
         return np.ascontiguousarray(x[:, start:stop])
 
 
-class DeferredSumRegion(ReplicatedRegion):
-    """Activations whole on every tp rank, as in ReplicatedRegion, but the caller makes
-    "f" and "g" itself, once for several layers: the experts of experts/local_experts.py, one
-    all-reduce for all the local experts' rows. The layers leave their partial sums."""
-
-    def input_grad(self, dx):
-        return dx
-
-    def start_input_grad(self, dx) -> InFlight:
-        return InFlight(dx)
-
-    def reduce(self, y):
-        return y
-
-
 def make_region(topo, sequence_parallel: bool, overlap: bool = True):
     return (SequenceParallelRegion if sequence_parallel else ReplicatedRegion)(topo.tp_comm, overlap)
