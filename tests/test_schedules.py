@@ -214,14 +214,14 @@ def test_zero_bubble_refuses_a_layer_that_cannot_split_its_backward():
 def test_a_layer_on_one_stage_only_fails_every_rank_alike(monkeypatch):
     """Only the last stage holds the layer that cannot split: both ranks raise the same
     one-line error instead of one going on into the pipeline alone."""
-    import numpitron.trainer
+    import numpitron.build
 
     class StageWithOddLayer(GPTStage):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             if self.last:
                 self.layers.append(WholeBackwardOnly())
-    monkeypatch.setattr(numpitron.trainer, "GPTStage", StageWithOddLayer)
+    monkeypatch.setattr(numpitron.build, "GPTStage", StageWithOddLayer)
     with pytest.raises(UserError, match="WholeBackwardOnly has only a whole backward") as error:
         make_trainer(pipeline=2, schedule="zero-bubble")
     assert MPI.COMM_WORLD.allgather(str(error.value)) == [str(error.value)] * 2
