@@ -25,7 +25,7 @@ from numpitron.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E
 from numpitron.distributed.topology import Topology  # noqa: E402
 from numpitron.nn.activation_memory import block_activation_bytes  # noqa: E402
 from numpitron.nn.cache_bytes import cache_nbytes  # noqa: E402
-from numpitron.trainer import Trainer  # noqa: E402
+from numpitron.build import build_trainer  # noqa: E402
 
 
 def main():
@@ -46,7 +46,7 @@ def main():
     for sp in (False, True):
         for recompute in ("none", "selective", "full"):
             parallel = ParallelConfig(sequence_parallel=sp and topo.tp > 1, recompute=recompute).validate()
-            trainer = Trainer(model_cfg, parallel, train_cfg, topo)
+            trainer = build_trainer(model_cfg, parallel, train_cfg, topo)
             ids, targets = trainer.microbatches(tokens, "train", 0)[0]
             measured = cache_nbytes(trainer.model.forward(ids, targets)[1][1])
             formula = block_activation_bytes(args.micro_batch_size, args.seq_len, args.d_model, args.n_heads,

@@ -50,7 +50,7 @@ from numpitron.distributed.topology import Topology  # noqa: E402
 from numpitron.plan.accounting import Rank  # noqa: E402
 from numpitron.plan.devices import PROFILES_DIR  # noqa: E402
 from numpitron.plan.predict import microbatch_work, step_work  # noqa: E402
-from numpitron.trainer import Trainer  # noqa: E402
+from numpitron.build import build_trainer  # noqa: E402
 
 SIDES = (16, 32, 64, 128, 256, 512, 1024)
 ELEMENTS = 1 << 18
@@ -94,7 +94,7 @@ def call_time(world) -> float:
     counts for it (one micro-batch and one optimizer step on one process)."""
     model = ModelConfig(d_model=8, n_heads=2, seq_len=8, n_layers=4)
     parallel, train = ParallelConfig(), TrainConfig(micro_batch_size=1, global_batch_size=1, warmup_iters=0)
-    trainer = Trainer(model, parallel, train, Topology.serial())
+    trainer = build_trainer(model, parallel, train, Topology.serial())
     tokens = np.random.default_rng(2).integers(0, model.vocab_size, 4096).astype(np.uint16)
     world.Barrier()
     step = median_s(lambda: trainer.train_step(tokens), 200)

@@ -40,12 +40,12 @@ def record_iteration(schedule: str, virtual: int, microbatches: int, warmup: int
 
     from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
     from numpitron.distributed.topology import Topology
-    from numpitron.trainer import Trainer
+    from numpitron.build import build_trainer
 
     topo = Topology.from_world(1, _world_size(), 1)
     model = ModelConfig(n_layers=2 * topo.pp, n_heads=4, d_model=128, seq_len=64)
     train = TrainConfig(micro_batch_size=4, global_batch_size=4 * microbatches)
-    trainer = Trainer(model, ParallelConfig(schedule=schedule, virtual_stages=virtual).validate(), train, topo)
+    trainer = build_trainer(model, ParallelConfig(schedule=schedule, virtual_stages=virtual).validate(), train, topo)
     tokens = np.random.default_rng(0).integers(0, 65, 100_000).astype(np.uint16)
     for _ in range(warmup + 1):          # the last iteration is the one drawn
         trainer.train_step(tokens)

@@ -18,7 +18,7 @@ from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
 from numpitron.data.prepare import ensure_prepared
 from numpitron.data.prepared import load_prepared
 from numpitron.distributed.topology import Topology
-from numpitron.trainer import Trainer
+from numpitron.build import build_trainer
 
 RUNS = (("float64", "fp32"), ("float32", "fp32"), ("float32", "bf16"), ("float32", "fp16"), ("float32", "fp8"))
 
@@ -26,7 +26,7 @@ RUNS = (("float64", "fp32"), ("float32", "fp32"), ("float32", "bf16"), ("float32
 def trajectory(dtype: str, precision: str, iters: int, splits: dict, vocab: int, eval_iters: int) -> dict:
     model = ModelConfig(vocab_size=vocab, dtype=dtype).validate()
     train = TrainConfig(max_iters=iters, warmup_iters=min(100, iters // 10), precision=precision).validate()
-    trainer = Trainer(model, ParallelConfig().validate(), train, Topology.serial())
+    trainer = build_trainer(model, ParallelConfig().validate(), train, Topology.serial())
     losses = [trainer.train_step(splits["train"])["train_loss"] for _ in range(iters)]
     val = trainer.evaluate({"val": splits["val"]}, eval_iters)["val"]
     return {"losses": losses, "val_loss": val, "skipped_steps": trainer.scaler.skipped_steps}

@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from numpitron.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from numpitron.distributed.topology import Topology  # noqa: E402
 from numpitron.nn.cache_bytes import cache_nbytes  # noqa: E402
-from numpitron.trainer import Trainer  # noqa: E402
+from numpitron.build import build_trainer  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
@@ -46,7 +46,7 @@ def main():
     args = p.parse_args()
     model_cfg = ModelConfig().validate()
     tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, 200_000).astype(np.uint16)
-    trainers = {name: Trainer(model_cfg, ParallelConfig().validate(), TrainConfig(precision=name).validate(),
+    trainers = {name: build_trainer(model_cfg, ParallelConfig().validate(), TrainConfig(precision=name).validate(),
                               Topology.serial()) for name in PRECISIONS}
     step_tokens = trainers["fp32"].global_batch_size * model_cfg.seq_len
     for trainer in trainers.values():                   # first steps allocate: not timed
@@ -69,7 +69,7 @@ def main():
         tracemalloc.stop()
         ids, targets = trainer.microbatches(tokens, "train", 0)[0]
         allocated = sum(cache_nbytes(c) for c in trainer.model.forward(ids, targets)[1])
-        recomputing = Trainer(model_cfg, ParallelConfig(recompute="full").validate(),
+        recomputing = build_trainer(model_cfg, ParallelConfig(recompute="full").validate(),
                               TrainConfig(precision=name).validate(), Topology.serial())
         allocated_full = sum(cache_nbytes(c) for c in recomputing.model.forward(ids, targets)[1])
         print(json.dumps({

@@ -38,7 +38,7 @@ from numpitron.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E
 from numpitron.distributed.topology import Topology  # noqa: E402
 from numpitron.nn.activation_memory import softmax_groups  # noqa: E402
 from numpitron.nn.functional import bias_gelu_forward, gelu_backward_, row_tiles, softmax_lastdim_with_lse_  # noqa: E402
-from numpitron.trainer import Trainer  # noqa: E402
+from numpitron.build import build_trainer  # noqa: E402
 
 B, T = 12, 64
 REPS = 50
@@ -154,7 +154,7 @@ def main():
     REPS = args.reps
     cfg = model_config(args)
     batch, seq_len = args.batch, args.seq_len
-    trainer = Trainer(cfg, ParallelConfig(), TrainConfig(micro_batch_size=batch, warmup_iters=0), Topology.serial())
+    trainer = build_trainer(cfg, ParallelConfig(), TrainConfig(micro_batch_size=batch, warmup_iters=0), Topology.serial())
     model, L = trainer.model, cfg.n_layers
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 200_000).astype(np.uint16)
     (ids, targets), = trainer.microbatches(tokens, "train", 0)

@@ -23,7 +23,7 @@ from numpitron.memory import check_fits
 from numpitron.metrics import MetricsLog
 from numpitron.pipeline_parallel.schedules import closed_form_bubble
 from numpitron.rundir import METRICS_NAME, claim_on_every_rank
-from numpitron.trainer import Trainer
+from numpitron.build import build_trainer
 
 
 def prepare_data_on_ranks(topo, data_dir: Path, input_path=None) -> dict:
@@ -46,7 +46,7 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
     check_eval_iters(train_cfg, train_cfg.global_batch(topo.dp), model_cfg.seq_len, splits)
     on_every_rank(topo.world, lambda: check_fits(model_cfg, parallel_cfg, train_cfg, topo))
     lock = claim_on_every_rank(topo, out_dir, resume, overwrite)         # held until the run ends
-    trainer = Trainer(model_cfg, parallel_cfg, train_cfg, topo)
+    trainer = build_trainer(model_cfg, parallel_cfg, train_cfg, topo)
     ckpt_root = out_dir / "checkpoints"
     best_ckpt = None
     if resume:

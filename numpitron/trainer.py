@@ -12,56 +12,76 @@ The steps (docs/architecture.md, "One training step"):
   4. the optimizer finishes averaging gradients over dp (all-reduce, or ZeRO-1's
      reduce-scatter), clips by the global norm, and applies AdamW. (A model with
      experts has two stores and two optimizers, stepped together: one norm.)
+
+The trainer is given what it steps, built (build.py builds all of it from the configs):
+the stage, its optimizers, the rule that steps them (`PlainStep` below; a mixed-precision
+run's scales the loss and skips overflowing steps, precision/mixed_step.py) and the
+features that act around each step (`StepFeature`: FP8's amax histories, the experts'
+routing statistics), none of which the step itself knows.
 """
 
 import numpy as np
 
-from numpitron.build import build_stage
 from numpitron.context_parallel.zigzag import local_positions
 from numpitron.data.batches import global_batch
 from numpitron.data_parallel.distributed_optimizer import step_together
 from numpitron.distributed.agree import on_every_rank
 from numpitron.distributed.sharding import shard_bounds
-from numpitron.experts.router import update_balance_bias
-from numpitron.optim.factory import make_optimizers
 from numpitron.optim.schedule import learning_rate
 from numpitron.pipeline_parallel.executor import check_backward_splits, forward_only, run_schedule
-from numpitron.precision.formats import FORMATS, LossScaler, use_format
-from numpitron.precision.fp8 import DelayedScaling, linear_layers
-from numpitron.precision.master_weights import step_mixed
+
+
+class PlainStep:
+    """How the optimizers step when no feature changes it: the loss as it is, every step
+    applied (`step_together`)."""
+
+    loss_scale = 1.0
+
+    def step(self, optimizers, lr: float) -> float:
+        return step_together(optimizers, lr)
+
+    def metrics(self) -> dict:
+        return {}
+
+
+class StepFeature:
+    """Something that acts around every step without the step knowing it: before the
+    micro-batches run, once the gradients are final, and on the step's metrics."""
+
+    def begin_step(self, trainer) -> None:
+        pass
+
+    def end_backward(self, trainer) -> None:
+        pass
+
+    def end_step(self, trainer, out: dict) -> None:
+        pass
 
 
 class Trainer:
-    """Configs as `cli.setup_training` validated them, on any Topology."""
+    """Configs as `cli.setup_training` validated them, on any Topology; the stage and its
+    optimizers as build.py builds them."""
 
-    def __init__(self, model_cfg, parallel_cfg, train_cfg, topo):
+    def __init__(self, model_cfg, parallel_cfg, train_cfg, topo, model, optimizers, step_rule=None, features=()):
         self.model_cfg, self.parallel_cfg, self.train_cfg, self.topo = model_cfg, parallel_cfg, train_cfg, topo
-        self.num_microbatches = train_cfg.num_microbatches(topo.dp)
-        self.global_batch_size = train_cfg.global_batch(topo.dp)
-        self.model = build_stage(model_cfg, topo, seed=train_cfg.seed, sequence_parallel=parallel_cfg.sequence_parallel,
-                                 recompute=parallel_cfg.recompute, loss_weight=1.0 / self.num_microbatches,
-                                 virtual_stages=parallel_cfg.virtual_stages, v_shape=parallel_cfg.v_shaped,
-                                 tp_comm_overlap=parallel_cfg.tp_comm_overlap)
-        self.eval_batch_size = self.global_batch_size       # evaluation always takes the full batch
+        self.model = model
         # Every rank learns if any stage holds a layer the schedule cannot run.
         on_every_rank(topo.world, lambda: check_backward_splits(self.model, parallel_cfg.schedule))
         # One per store of the model; `optimizer` is the dense parameters' (the only one
         # without experts).
-        self.optimizers = make_optimizers(self.model, topo, train_cfg, parallel_cfg)
-        self.optimizer = self.optimizers[0]
-        self.optimizer.install(self.model)         # ZeRO-3 gathers each layer while it runs
-        # Mixed precision (docs/16-numbers.md): activations rounded between layers,
-        # gradients rounded, unscaled and checked by `step_mixed`.
-        self.precision = FORMATS[train_cfg.precision]
-        use_format(self.model, self.precision)
-        self.scaler = LossScaler(self.precision, train_cfg.loss_scale, train_cfg.loss_scale_window)
-        # FP8: the linear layers' products take per-tensor scales from amax histories.
-        self.fp8 = DelayedScaling(list(linear_layers(self.model)), topo.world) if self.precision.fp8_matmuls else None
-        if self.fp8:
-            self.fp8.install(linear_layers(self.model))
+        self.optimizers, self.optimizer = optimizers, optimizers[0]
+        self.step_rule = step_rule or PlainStep()
+        self.features = list(features)
+        self.fp8 = None             # FP8's delayed scaling, when a feature (build.py)
         self.iteration = 0          # number of completed optimizer steps
         self.best_val_loss = float("inf")
+        self.eval_batch_size = train_cfg.global_batch(topo.dp)   # evaluation always takes the full batch
         self.set_batch(0)
+
+    @property
+    def scaler(self):
+        """A mixed-precision run's loss scaler (checkpoints keep it); None otherwise."""
+        return getattr(self.step_rule, "scaler", None)
 
     def set_batch(self, iteration: int) -> None:
         """The global batch of `iteration` (it grows during a ramp-up: --rampup-batch-size)
@@ -90,58 +110,28 @@ class Trainer:
         """Iteration `self.iteration`: returns loss, lr, grad_norm (same on every rank)."""
         for optimizer in self.optimizers:
             optimizer.zero_grad()
-        if self.model.experts:
-            self.model.experts.log.reset()
+        for feature in self.features:
+            feature.begin_step(self)
         self.set_batch(self.iteration)
         batches = self.microbatches(train_tokens, "train", self.iteration)
-        mixed = self.precision.mixed
-        if self.fp8:
-            self.fp8.begin_step()
-        loss_weight = self.model.loss_weight * (self.scaler.scale if mixed else 1.0)
         losses, stats = run_schedule(self.model, self.topo, batches, self.parallel_cfg.schedule,
-                                     loss_weight=loss_weight, grads_ready=self.grads_ready)
+                                     loss_weight=self.model.loss_weight * self.step_rule.loss_scale,
+                                     grads_ready=self.grads_ready)
         self.model.finalize_grads(self.grads_ready)
-        if self.fp8:
-            self.fp8.end_step()
+        for feature in self.features:
+            feature.end_backward(self)
         lr = self.lr(self.iteration)
-        grad_norm = step_mixed(self.optimizers, lr, self.scaler) if mixed else step_together(self.optimizers, lr)
+        grad_norm = self.step_rule.step(self.optimizers, lr)
         self.iteration += 1
         self.last_pipeline_stats = stats
-        out = {"train_loss": self.mean_loss(losses), "lr": lr, "grad_norm": grad_norm}
-        if mixed:
-            out.update(self.scaler.state())
-        if self.model_cfg.num_experts:
-            out.update(self.routing_metrics())
-            out["train_loss"] += out["moe_aux_loss"]
-            if self.model_cfg.moe_load_balancing == "bias":      # from this step's global load
-                update_balance_bias(self.model.experts.bias, self.model.experts.log.tokens,
-                                    self.model_cfg.moe_bias_update_rate)
+        out = {"train_loss": self.mean_loss(losses), "lr": lr, "grad_norm": grad_norm, **self.step_rule.metrics()}
+        for feature in self.features:
+            feature.end_step(self, out)
         return out
 
     def grads_ready(self, params) -> None:
         for optimizer in self.optimizers:
             optimizer.grads_ready(params)
-
-    def routing_metrics(self) -> dict:
-        """The iteration's routing, summed over every rank's micro-batches (each stage
-        knows its own blocks): the aux loss as it enters the objective (mean over
-        micro-batches, summed over blocks), the dropped share of assignments, the
-        assignments each expert of each MoE block was chosen for, and each block's
-        balance: its busiest expert's load over the mean load. After the reduction the
-        counts are the global ones on every rank: each stage's blocks summed over pp,
-        every rank that routes over dp and cp (ep lies inside dp; tp ranks route alike)."""
-        log, topo, c = self.model.experts.log, self.topo, self.model_cfg
-        buf = log.vector()
-        topo.dp_cp_comm.all_reduce(buf)
-        topo.pp_comm.all_reduce(buf)
-        log.from_vector(buf)
-        moe_blocks = [i for i in range(c.n_layers) if c.is_moe_block(i)]
-        load = log.tokens[moe_blocks]
-        assigned = load.sum()
-        return {"moe_aux_loss": float(log.aux_loss.sum()) / (self.num_microbatches * topo.dp_cp),
-                "moe_dropped_fraction": float(log.dropped.sum() / assigned),
-                "moe_tokens_per_expert": load.astype(int).tolist(),
-                "moe_max_over_mean_load": (load.max(axis=1) / load.mean(axis=1)).tolist()}
 
     def mean_loss(self, losses) -> float:
         """Average the micro-batch losses of the stage holding the head over dp and cp

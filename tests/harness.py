@@ -21,6 +21,7 @@ from numpitron.distributed.topology import Topology
 from numpitron.nn.param_store import ParamStore
 from numpitron.optim.training_state import FLAT_BUFFERS
 from numpitron.rundir import LOCK_NAME
+from numpitron.build import build_trainer
 from numpitron.trainer import Trainer
 from tests.conftest import REPO
 from tests.tolerances import EQUIV_RTOL_FLOAT64, FD_ATOL, FD_EPS, FD_RTOL, rel_diff
@@ -54,7 +55,7 @@ def make_trainer(model_cfg=None, train_cfg=None, topo=None, tensor=1, pipeline=1
     topo = topo or Topology.from_world(tensor, pipeline, data, context=context, expert=expert,
                                        ulysses=parallel_cfg.ulysses_group(context), data_shard=data_shard)
     check_layout(model_cfg, train_cfg, topo.mesh, parallel_cfg)
-    return Trainer(model_cfg, parallel_cfg, train_cfg, topo)
+    return build_trainer(model_cfg, parallel_cfg, train_cfg, topo)
 
 
 def train_steps(trainer, steps: int, tokens=None) -> list[float]:

@@ -53,9 +53,9 @@ configure_process([], tune_malloc=sys.argv[1] == "tuned")
 import numpy as np
 from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
 from numpitron.distributed.topology import Topology
-from numpitron.trainer import Trainer
+from numpitron.build import build_trainer
 cfg = ModelConfig(n_layers=2)
-trainer = Trainer(cfg, ParallelConfig(), TrainConfig(max_iters=10), Topology.serial())
+trainer = build_trainer(cfg, ParallelConfig(), TrainConfig(max_iters=10), Topology.serial())
 tokens = np.random.default_rng(0).integers(0, 65, 20000).astype(np.uint16)
 trainer.train_step(tokens)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -107,7 +107,8 @@ def _load_training_state(path: Path, trainer) -> dict:
     for optimizer, values in zip(trainer.optimizers, wanted):
         optimizer.state.load(lambda buffer, lo, hi, values=values: values[buffer, lo, hi], manifest["adam_step"])
     routing_bias(model)[...] = bias
-    trainer.scaler.restore(scaler)
+    if trainer.scaler:              # a mixed-precision run's
+        trainer.scaler.restore(scaler)
     if trainer.fp8:                 # another precision's run has none: it calibrates again
         trainer.fp8.load_state(amax_history)
     trainer.iteration = manifest["iteration"]

@@ -128,7 +128,7 @@ def checkpoint_fields(trainer) -> dict:
         "moe_routing_bias": routing_bias(trainer.model).tolist(),
         # Mixed precision's dynamic loss scale (docs/16-numbers.md): a resumed fp16 run
         # scales, skips and doubles as the uninterrupted one would.
-        "loss_scaler": trainer.scaler.checkpoint(),
+        "loss_scaler": trainer.scaler.checkpoint() if trainer.scaler else None,
         # FP8's amax histories (precision/fp8.py): agreed over the world, so the same on every
         # rank, by layer name: any mesh finds its layers' histories.
         "fp8_amax_history": trainer.fp8.state() if trainer.fp8 else {},
