@@ -31,8 +31,8 @@ def build_trainer(model_cfg, parallel_cfg, train_cfg, topo) -> Trainer:
     # gradients rounded, unscaled and checked by `step_mixed`.
     fmt = FORMATS[train_cfg.precision]
     use_format(model, fmt)
-    step_rule = MixedPrecisionStep(LossScaler(fmt, train_cfg.loss_scale, train_cfg.loss_scale_window)) \
-        if fmt.mixed else None
+    scaler = LossScaler(fmt, train_cfg.loss_scale, train_cfg.loss_scale_window)     # inert (1) in fp32
+    step_rule = MixedPrecisionStep(scaler) if fmt.mixed else None
     features = [RoutingStatistics(model.experts)] if model.experts else []
     fp8 = None
     if fmt.fp8_matmuls:         # the linear layers' products take per-tensor scales from amax histories
@@ -40,5 +40,5 @@ def build_trainer(model_cfg, parallel_cfg, train_cfg, topo) -> Trainer:
         fp8.install(linear_layers(model))
         features.insert(0, Fp8Scaling(fp8))
     trainer = Trainer(model_cfg, parallel_cfg, train_cfg, topo, model, optimizers, step_rule, features)
-    trainer.fp8 = fp8
+    trainer.fp8, trainer.scaler = fp8, scaler
     return trainer

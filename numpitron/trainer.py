@@ -73,15 +73,11 @@ class Trainer:
         self.step_rule = step_rule or PlainStep()
         self.features = list(features)
         self.fp8 = None             # FP8's delayed scaling, when a feature (build.py)
+        self.scaler = None          # the loss scaler a checkpoint keeps (build.py)
         self.iteration = 0          # number of completed optimizer steps
         self.best_val_loss = float("inf")
         self.eval_batch_size = train_cfg.global_batch(topo.dp)   # evaluation always takes the full batch
         self.set_batch(0)
-
-    @property
-    def scaler(self):
-        """A mixed-precision run's loss scaler (checkpoints keep it); None otherwise."""
-        return getattr(self.step_rule, "scaler", None)
 
     def set_batch(self, iteration: int) -> None:
         """The global batch of `iteration` (it grows during a ramp-up: --rampup-batch-size)

@@ -30,6 +30,9 @@ class LowFormat:
         self.fmt, self.mixed, self.itemsize = fmt, True, fmt.itemsize
         self.wires = wires(fmt, grad_reduce_dtype)
 
+    def round(self, x):
+        return self.fmt.round(x)
+
     def round_(self, x) -> None:
         self.fmt.round_(x)
 
