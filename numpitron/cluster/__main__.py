@@ -59,9 +59,13 @@ def main(argv=None) -> int:
         announce = lambda line: print(line, file=sys.stderr, flush=True)    # noqa: E731
         if args.max_restarts < 0:
             raise ClusterError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
-        if args.max_restarts:
-            return supervise(command, args.n, args.max_restarts, args.prefix, args.per_host, announce)
-        return launch.run(command, args.n, args.prefix, args.per_host, announce)
+        try:
+            if args.max_restarts:
+                return supervise(command, args.n, args.max_restarts, args.prefix, args.per_host, announce)
+            return launch.run(command, args.n, args.prefix, args.per_host, announce)
+        except KeyboardInterrupt:           # Ctrl-C: the job was ended (run_job); stop, never restart
+            announce("error: interrupted; ended the job")
+            return 130
     elif args.action == "status":
         print(control.status(args.prefix))
     elif args.action == "kill-host":
