@@ -12,6 +12,7 @@ import numpy as np
 
 from numpitron.errors import UserError
 from numpitron.precision import GRAD_REDUCE_DTYPES, check_precision
+from numpitron.rampup import Ramp
 
 DTYPES = ("float32", "float64")
 # The pipeline schedules' names, the one place they are spelled (parallel/schedules.py
@@ -243,7 +244,7 @@ class TrainConfig:
         """The global batch of `iteration`: Megatron's ramp-up (the batch grows by the
         increment each time another samples / increments samples have been consumed),
         then the global batch."""
-        return _ramp(self, data_parallel)[min(iteration, self.max_iters - 1)] if self.rampup_batch_size \
+        return _ramp(self, data_parallel).at(min(iteration, self.max_iters - 1)) if self.rampup_batch_size \
             else self.global_batch(data_parallel)
 
     def global_batch(self, data_parallel: int) -> int:
@@ -252,16 +253,9 @@ class TrainConfig:
 
 
 @functools.lru_cache(maxsize=8)
-def _ramp(cfg: "TrainConfig", data_parallel: int) -> tuple[int, ...]:
-    """The global batch of every iteration of a ramp-up, from the samples consumed before it."""
-    start, increment, samples = cfg.rampup_batch_size
-    target = cfg.global_batch(data_parallel)
-    per_increment = samples / max(1, (target - start) // increment)
-    sizes, consumed = [], 0
-    for _ in range(cfg.max_iters):
-        sizes.append(min(target, start + int(consumed / per_increment) * increment))
-        consumed += sizes[-1]
-    return tuple(sizes)
+def _ramp(cfg: "TrainConfig", data_parallel: int) -> Ramp:
+    """The ramp's stages, worked out as far as asked (rampup.py): never one per iteration."""
+    return Ramp(*cfg.rampup_batch_size, cfg.global_batch(data_parallel))
 
 
 def _flag(name: str) -> str:
