@@ -19,7 +19,7 @@ from numpitron.data.tokenizer import CharTokenizer
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
 from tests.conftest import REPO, shakespeare_text_path
-from tests.harness import SMALLER, make_trainer, tiny_model, train_steps
+from tests.harness import SMALLER, make_trainer, snapshot, tiny_model, train_steps
 
 MODEL = tiny_model(**SMALLER)                  # float64, vocab 65, T 16, 2 layers, 2 heads, C 32
 TRAIN = TrainConfig(micro_batch_size=2, global_batch_size=4, max_iters=10, warmup_iters=2, seed=1).validate()
@@ -211,6 +211,17 @@ def test_untied_head_and_existing_files_are_refused_and_left_alone(saved, tmp_pa
         export_hf(path, mine)
     assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_export_into_a_checkpoint_or_where_a_run_saves_is_refused(saved, tmp_path):
+    path = saved[0]
+    root = tmp_path / "run/checkpoints"
+    shutil.copytree(path.parent, root)
+    before = snapshot(tmp_path)
+    for out in (root / path.name / "hf", root / "iter_000030", root / "iter_000030/hf", root / "latest"):
+        with pytest.raises(UserError, match="refusing to write"):
+            export_hf(root / path.name, out)
+    assert snapshot(tmp_path) == before and not (root / "iter_000030").exists()
 
 
 def test_experts_are_refused_in_one_line(tmp_path):

@@ -31,7 +31,7 @@ import numpy as np
 
 from numpitron.checkpoint.convert import _few, write_fresh_checkpoint
 from numpitron.checkpoint.load import open_reader
-from numpitron.checkpoint.manifest import LATEST_NAME, TMP_PREFIX, iter_dirs, read_manifest
+from numpitron.checkpoint.manifest import LATEST_NAME, MANIFEST_NAME, TMP_PREFIX, iter_dirs, iteration_of, read_manifest
 from numpitron.config import DTYPES, ModelConfig, from_dict
 from numpitron.data.hf_tokenizer import chars_from_tokenizer_json, tokenizer_json
 from numpitron.data.tokenizer import CharTokenizer
@@ -260,6 +260,13 @@ def _json_bytes(obj) -> bytes:
 
 
 def _refuse_existing_files(out_dir: Path) -> None:
+    # Inside a checkpoint (which pruning would then delete, or never delete), or at a
+    # name a run saves to (iter_NNNNNN, latest): convert export refuses these too.
+    for directory in [out_dir.resolve(), *out_dir.resolve().parents]:
+        if iteration_of(directory) is not None or (directory / MANIFEST_NAME).exists():
+            raise UserError(f"refusing to write {out_dir}: {directory} is a checkpoint's place; choose another")
+    if out_dir.name == LATEST_NAME and iter_dirs(out_dir.parent):
+        raise UserError(f"refusing to write {out_dir}: it is the checkpoints' pointer to the newest one")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UserError(f"{out_dir} already exists and is not an empty directory; choose a new one")
 
