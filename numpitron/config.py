@@ -199,6 +199,8 @@ class TrainConfig:
             raise UserError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         _finite(self, "muon_lr", "muon_momentum")
         _non_negative(self, "muon_lr")
+        if self.optimizer != "muon" and (self.muon_lr, self.muon_momentum) != (0.0, TrainConfig.muon_momentum):
+            raise UserError(f"--muon-lr and --muon-momentum set Muon, and this run uses --optimizer {self.optimizer}")
         if not 0 <= self.muon_momentum < 1:
             raise UserError(f"muon-momentum must lie in [0, 1), got {self.muon_momentum}")
         if self.rampup_batch_size:

@@ -44,6 +44,8 @@ def test_abort_on_one_rank_ends_every_rank_quickly():
     (["--num-experts", str(10 ** 23)], "GiB available: use smaller sizes"),
     (["--num-experts", "2", "--moe-shared-experts", str(10 ** 23)], "GiB available: use smaller sizes"),
     (["--num-experts", str(10 ** 400)], "needs more memory than any host has"),
+    (["--muon-lr", "0.02"], "--muon-lr and --muon-momentum set Muon, and this run uses --optimizer adamw"),
+    (["--muon-momentum", "0.9"], "--muon-lr and --muon-momentum set Muon, and this run uses --optimizer adamw"),
     (["--d-model", str(10 ** 400), "--n-heads", "1"], "needs more memory than any host has"),
 ])
 def test_bad_input_is_one_line_and_nonzero(args, message):
