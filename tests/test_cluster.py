@@ -206,3 +206,29 @@ def test_kill_host_during_a_plain_run_ends_the_job_with_one_line(two_by_two):
     assert job.returncode == 1, stderr
     assert stderr.strip() == f"error: host 1 ({PREFIX}host1) lost its link to the other hosts; ended the job", stderr
     assert network.namespace_pids(f"{PREFIX}h0") == network.namespace_pids(f"{PREFIX}h1") == []
+
+
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGTERM"])
+def test_a_killed_run_leaves_no_job_running(two_by_two, signal_name):
+    """mpiexec runs in its own session: it must not outlive the `run` that started it
+    (SIGKILL: the kernel's parent-death signal; SIGTERM: ended as Ctrl-C ends it)."""
+    import signal
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1", "OPENBLAS_NUM_THREADS": "1"}
+    job = subprocess.Popen([sys.executable, "-m", "numpitron.cluster", "--prefix", PREFIX, "run", "-n", "2",
+                            "--per-host", "1", "--", sys.executable, SCRIPT, "loop"],
+                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert job.stdout.readline().strip() == "training"
+        job.send_signal(getattr(signal, signal_name))
+        _, stderr = job.communicate(timeout=30)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(network.namespace_pids(n) for n in two_by_two.namespaces()):
+            time.sleep(0.2)
+        left = {n: network.namespace_pids(n) for n in two_by_two.namespaces()}
+    finally:
+        job.kill()
+        for namespace in two_by_two.namespaces():
+            network.kill_namespace_processes(namespace)
+    assert not any(left.values()), left
+    if signal_name == "SIGTERM":
+        assert job.returncode == 130 and stderr.strip() == "error: interrupted; ended the job", stderr

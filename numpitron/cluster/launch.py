@@ -110,7 +110,7 @@ def run_job(spec: ClusterSpec, command: list[str], places: list[tuple[int, int]]
     if down:
         raise ClusterError(f"host {down[0]} ({spec.hostname(down[0])}) has no link; run `down`, then `up`")
     job = subprocess.Popen(mpiexec_command(spec, command, places), start_new_session=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
     held: list = []
     copiers = [threading.Thread(target=_copy_without_launcher, args=(source, sink, held), daemon=True)
                for source, sink in ((job.stdout, sys.stdout), (job.stderr, sys.stderr))]
@@ -147,6 +147,16 @@ def _watch(job: subprocess.Popen, spec: ClusterSpec, hosts: list[int]) -> tuple[
             return 1, lost
         if code is not None:
             return code, []
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the process that started it dies, so a
+    killed `run` leaves no mpiexec behind (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)       # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _copy_without_launcher(source, sink, held: list) -> None:
