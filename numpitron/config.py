@@ -14,6 +14,7 @@ from numpitron.errors import UserError
 from numpitron.pipeline_parallel.schedules import (INTERLEAVED, ONE_F_ONE_B, SCHEDULES, SPLIT_BACKWARD,  # noqa: F401
                                                    V_SHAPED)  # the names are spelled beside the schedules
 from numpitron.precision.formats import GRAD_REDUCE_DTYPES, check_precision
+from numpitron.rampup import Ramp
 
 DTYPES = ("float32", "float64")
 RECOMPUTE = ("none", "selective", "full")
@@ -191,6 +192,8 @@ class TrainConfig:
             raise UserError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         _finite(self, "muon_lr", "muon_momentum")
         _non_negative(self, "muon_lr")
+        if self.optimizer != "muon" and (self.muon_lr, self.muon_momentum) != (0.0, TrainConfig.muon_momentum):
+            raise UserError(f"--muon-lr and --muon-momentum set Muon, and this run uses --optimizer {self.optimizer}")
         if not 0 <= self.muon_momentum < 1:
             raise UserError(f"muon-momentum must lie in [0, 1), got {self.muon_momentum}")
         if self.rampup_batch_size:
@@ -236,7 +239,7 @@ class TrainConfig:
         """The global batch of `iteration`: Megatron's ramp-up (the batch grows by the
         increment each time another samples / increments samples have been consumed),
         then the global batch."""
-        return _ramp(self, data_parallel)[min(iteration, self.max_iters - 1)] if self.rampup_batch_size \
+        return _ramp(self, data_parallel).at(min(iteration, self.max_iters - 1)) if self.rampup_batch_size \
             else self.global_batch(data_parallel)
 
     def global_batch(self, data_parallel: int) -> int:
@@ -245,16 +248,9 @@ class TrainConfig:
 
 
 @functools.lru_cache(maxsize=8)
-def _ramp(cfg: "TrainConfig", data_parallel: int) -> tuple[int, ...]:
-    """The global batch of every iteration of a ramp-up, from the samples consumed before it."""
-    start, increment, samples = cfg.rampup_batch_size
-    target = cfg.global_batch(data_parallel)
-    per_increment = samples / max(1, (target - start) // increment)
-    sizes, consumed = [], 0
-    for _ in range(cfg.max_iters):
-        sizes.append(min(target, start + int(consumed / per_increment) * increment))
-        consumed += sizes[-1]
-    return tuple(sizes)
+def _ramp(cfg: "TrainConfig", data_parallel: int) -> Ramp:
+    """The ramp's stages, worked out as far as asked (rampup.py): never one per iteration."""
+    return Ramp(*cfg.rampup_batch_size, cfg.global_batch(data_parallel))
 
 
 def _flag(name: str) -> str:

@@ -61,7 +61,7 @@ def read_config(path, parser: argparse.ArgumentParser) -> dict:
     except ModuleNotFoundError:
         raise UserError("--config needs Python 3.11 or newer (the standard library's tomllib)") from None
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads(path.read_text(encoding="utf-8-sig"))    # a byte-order mark (Windows editors) is no error
     except FileNotFoundError:
         raise UserError(f"config file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as error:

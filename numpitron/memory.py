@@ -1,6 +1,7 @@
 """The memory one rank needs, checked before anything large is allocated, so that an
 impossible size is one line instead of a MemoryError."""
 
+import contextlib
 import os
 
 import numpy as np
@@ -23,6 +24,17 @@ def available_bytes() -> int | None:
         return None
 
 
+@contextlib.contextmanager
+def _beyond_any_host(what: str = "this configuration"):
+    """Sizes so large that the accounting's floats overflow (10^400 experts) need more
+    memory than any host has: the one-line refusal, not an OverflowError."""
+    try:
+        yield
+    except OverflowError:
+        raise UserError(f"{what} needs more memory than any host has (its sizes overflow the accounting): "
+                        f"use smaller sizes") from None
+
+
 def check_fits(model_cfg, parallel_cfg, train_cfg, topo) -> None:
     """This rank's parameters, gradients, optimizer state and peak activations, from the
     planner's accounting (numpitron/plan/accounting.py, exact on every tested layout),
@@ -30,8 +42,9 @@ def check_fits(model_cfg, parallel_cfg, train_cfg, topo) -> None:
     from numpitron.plan.accounting import Rank, state_bytes
     from numpitron.plan.activations import peak_activation_bytes
     rank = Rank.of(topo, parallel_cfg)
-    need = sum(state_bytes(model_cfg, parallel_cfg, rank, train_cfg.optimizer).values()) \
-        + peak_activation_bytes(model_cfg, parallel_cfg, train_cfg, rank)
+    with _beyond_any_host():
+        need = sum(state_bytes(model_cfg, parallel_cfg, rank, train_cfg.optimizer).values()) \
+            + peak_activation_bytes(model_cfg, parallel_cfg, train_cfg, rank)
     have = available_bytes()
     if have is not None and need > have:
         raise UserError(f"this configuration needs about {need / 2**30:.1f} GiB per rank, and this host has "
@@ -46,7 +59,8 @@ def check_model_fits(model_cfg, topo, parameter_copies: int = 0, what: str = "th
     from numpitron.config import ParallelConfig
     from numpitron.plan.accounting import Rank, state_bytes
     parallel = ParallelConfig()
-    state = state_bytes(model_cfg, parallel, Rank.of(topo, parallel))
+    with _beyond_any_host(what):
+        state = state_bytes(model_cfg, parallel, Rank.of(topo, parallel))
     need = sum(state.values()) + parameter_copies * state["params"]
     have = available_bytes()
     if have is not None and need > have:

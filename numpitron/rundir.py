@@ -13,6 +13,8 @@ import fcntl
 import os
 import re
 import socket
+import stat
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,8 +34,7 @@ class RunLock:
     of a killed process, so a crash never leaves the directory locked."""
 
     def __init__(self, out_dir: Path):
-        path = out_dir / LOCK_NAME
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.fd = _open_lock_file(out_dir / LOCK_NAME)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -47,6 +48,34 @@ class RunLock:
 
     def release(self) -> None:
         os.close(self.fd)                 # closing the last descriptor drops the flock
+
+
+_OUR_LOCK_TEXT = re.compile(rb"^(pid \d+ on .* since [-\d: ]+\n)?$")
+
+
+def _open_lock_file(path: Path) -> int:
+    """The lock file's descriptor, made or reopened; never through a symbolic link, and
+    never a file that is not a lock numpitron wrote (a directory, a device, a hard link
+    to other data, text of the user's): the lock's text is rewritten, so such a file
+    would be a user's data lost. Refused in one line, left as it is."""
+    def refuse(what: str):
+        raise UserError(f"{path} is {what}, not the lock file numpitron writes: move it away")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as error:
+        if os.path.islink(path):
+            refuse("a symbolic link")
+        if os.path.isdir(path):
+            refuse("a directory")
+        raise UserError(f"cannot open {path}: {error.strerror or error}") from None
+    info = os.fstat(fd)
+    problem = ("not a regular file" if not stat.S_ISREG(info.st_mode) else
+               "a hard link to another file" if info.st_nlink > 1 else
+               "text numpitron did not write" if not _OUR_LOCK_TEXT.match(os.pread(fd, 400, 0)) else None)
+    if problem:
+        os.close(fd)
+        refuse(problem)
+    return fd
 
 
 def previous_run(out_dir: Path) -> list[str]:
@@ -70,9 +99,9 @@ def claim(out_dir, resume: bool, overwrite: bool) -> tuple[RunLock, list[str]]:
         raise UserError("--resume and --overwrite contradict each other: choose one")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / f".numpitron-probe-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
+        fd, probe = tempfile.mkstemp(prefix=".numpitron-probe-", dir=out_dir)     # a new name: nothing followed
+        os.close(fd)
+        os.unlink(probe)
     except OSError as error:
         raise UserError(f"cannot write to --out-dir {out_dir}: {error.strerror or error}") from None
     lock = RunLock(out_dir)

@@ -146,6 +146,17 @@ def test_import_of_a_config_too_large_for_memory_is_one_line(victim, tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("bad", [np.nan, -np.inf])
+def test_import_refuses_weights_that_are_not_finite(victim, tmp_path, bad):
+    archive = export_npz(victim, tmp_path / "w.npz")
+    with np.load(archive) as npz:
+        arrays = dict(npz)
+    arrays["blocks.1.attn.proj.weight"][2, 3] = bad
+    np.savez(tmp_path / "bad.npz", **arrays)
+    refused(lambda: import_npz(tmp_path / "bad.npz", tmp_path / "out"), "blocks.1.attn.proj.weight holds NaN")
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_replaces_a_file_only_when_told_and_never_anything_else(victim, tmp_path):
     target = tmp_path / "w.npz"
     target.write_text("a user's file")

@@ -38,12 +38,31 @@ def test_abort_on_one_rank_ends_every_rank_quickly():
     (["--pipeline-schedule", "interleaved", "--virtual-stages", "2"], "it needs --pipeline-parallel-size 2 or more"),
     (["--num-experts", "4", "--moe-load-balancing", "none"], "invalid choice: 'none'"),
     (["--num-experts", "4", "--moe-shared-experts", "-1"], "--moe-shared-experts must not be negative"),
+    # Sizes past a C integer (local_shape took len(range)) or a float (the accounting):
+    # the memory refusal, not an OverflowError from every rank.
+    (["--num-experts", "2", "--moe-expert-hidden", str(10 ** 23)], "GiB available: use smaller sizes"),
+    (["--num-experts", str(10 ** 23)], "GiB available: use smaller sizes"),
+    (["--num-experts", "2", "--moe-shared-experts", str(10 ** 23)], "GiB available: use smaller sizes"),
+    (["--num-experts", str(10 ** 400)], "needs more memory than any host has"),
+    (["--muon-lr", "0.02"], "--muon-lr and --muon-momentum set Muon, and this run uses --optimizer adamw"),
+    (["--muon-momentum", "0.9"], "--muon-lr and --muon-momentum set Muon, and this run uses --optimizer adamw"),
+    (["--d-model", str(10 ** 400), "--n-heads", "1"], "needs more memory than any host has"),
 ])
 def test_bad_input_is_one_line_and_nonzero(args, message):
     result = run_script(args + ["--max-iters", "1", "--no-progress"])
     assert result.returncode != 0
     assert message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_huge_expert_sizes_from_a_config_file_are_one_line_on_two_ranks(tmp_path):
+    config = tmp_path / "huge.toml"
+    config.write_text(f"[model]\nnum_experts = 2\nmoe_expert_hidden = {10 ** 23}\n")
+    result = run_script(["--config", str(config), "--data-parallel-size", "2", "--max-iters", "1", "--no-progress"],
+                        nprocs=2, timeout=60)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "GiB available: use smaller sizes" in lines[0], result.stderr
 
 
 def test_zero3_with_a_pipeline_is_refused_in_one_line():

@@ -190,3 +190,24 @@ def test_a_second_job_in_a_used_directory_is_refused_naming_the_first(data_dir, 
     reached = latest_checkpoint(copy / "checkpoints").name.removeprefix("iter_")
     again = train(data_dir, copy, "--max-iters", str(int(reached)), "--resume")        # the kill freed the lock
     assert again.returncode == 0 and "nothing to train" in again.stdout, again.stderr
+
+
+@pytest.mark.parametrize("planted, what", [
+    ("directory", "a directory"), ("symlink", "a symbolic link"), ("dangling", "a symbolic link"),
+    ("hardlink", "a hard link to another file"), ("text", "text numpitron did not write"),
+    ("fifo", "not a regular file")])
+def test_a_lock_file_that_is_not_ours_is_refused_and_left_alone(data_dir, tmp_path, planted, what):
+    import os
+    out, mine = tmp_path / "run", tmp_path / "mine.txt"
+    out.mkdir()
+    mine.write_bytes(b"my notes\n")
+    lock = out / ".numpitron-lock"
+    {"directory": lambda: (lock.mkdir(), (lock / "keep").write_text("k")),
+     "symlink": lambda: lock.symlink_to(mine), "dangling": lambda: lock.symlink_to(tmp_path / "nowhere"),
+     "hardlink": lambda: os.link(mine, lock), "text": lambda: lock.write_bytes(b"my notes\n"),
+     "fifo": lambda: os.mkfifo(lock)}[planted]()
+    before = snapshot(tmp_path)
+    one_line(train(data_dir, out, "--max-iters", "1"), f"{lock} is {what}, not the lock file numpitron writes")
+    assert snapshot(tmp_path) == before and mine.read_bytes() == b"my notes\n"
+    assert planted != "text" or lock.read_bytes() == b"my notes\n"
+    assert sorted(p.name for p in out.iterdir()) == [".numpitron-lock"] and not (tmp_path / "nowhere").exists()

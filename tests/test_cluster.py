@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from numpitron.cluster import control
+from numpitron.cluster import control, network
 from numpitron.cluster.network import FRAME_HEADER_BYTES, ClusterError, ClusterSpec, set_host_link
 from tests.conftest import REPO
 
@@ -77,6 +77,44 @@ def test_up_status_stale_and_down_are_clean_and_idempotent():
 @pytest.mark.parametrize("rates, mtu, frame", [(("200mbit", None), None, 25000), (("50mbit", "1gbit"), None, 6250),
                                                (("1mbit", None), None, 1500), (("100gbit", "1tbit"), None, 65000),
                                                (("200mbit", None), 9000, 9000)])
+def nothing_left(prefix):
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return prefix not in listed and not control.state_dir(prefix).exists()
+
+
+@pytest.mark.parametrize("rates", [["--inter-host-rate", ""], ["--inter-host-rate", "1.2.3mbit"],
+                                   ["--inter-host-rate", "0mbit"], ["--inter-host-rate", "1mbit", "--intra-host-rate", ""]])
+def test_a_bad_rate_is_refused_in_one_line_before_anything_is_made(rates):
+    prefix = "npt-bad-"
+    cluster("down", prefix=prefix)
+    done = cluster("up", "--hosts", "2", "--ranks-per-host", "1", *rates, prefix=prefix)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "cannot read the rate" in done.stderr, done.stderr
+    assert nothing_left(prefix)
+
+
+def test_a_failure_halfway_through_up_leaves_nothing_behind(monkeypatch, tmp_path):
+    prefix, real, calls = "npt-half-", network.run_ip, []
+    cluster("down", prefix=prefix)
+
+    def fails_once_halfway(*args, check=True):
+        calls.append(args)
+        if len(calls) == 20:
+            raise RuntimeError("a failure halfway")
+        return real(*args, check=check)
+    monkeypatch.setattr(network, "run_ip", fails_once_halfway)
+    with pytest.raises(RuntimeError, match="halfway"):
+        control.up(ClusterSpec(prefix, 2, 1, "1mbit"))
+    monkeypatch.undo()
+    assert len(calls) > 20 and nothing_left(prefix)
+    (tmp_path / "file").write_text("")                 # the record cannot be written under a file
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NUMPITRON_CLUSTER_STATE": str(tmp_path / "file/state")}
+    done = subprocess.run([sys.executable, "-m", "numpitron.cluster", "--prefix", prefix, "up", "--hosts", "1",
+                           "--ranks-per-host", "1", "--inter-host-rate", "1mbit"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "cannot write the cluster record" in done.stderr
+    assert nothing_left(prefix), done.stderr
+
+
 def test_frames_are_a_millisecond_of_the_slowest_link(rates, mtu, frame):
     """Small enough that a token bucket banks no more than ~1 ms of a link while it
     idles, large enough that the kernel's work per frame stays off the cores."""
@@ -149,3 +187,48 @@ def test_a_host_that_loses_its_link_ends_the_job_with_one_line(two_by_two):
         job.kill()
         set_host_link(two_by_two, 1, up=True)
     assert stderr.strip() == f"error: host 1 ({PREFIX}host1) lost its link to the other hosts; ended the job", stderr
+
+
+def test_kill_host_during_a_plain_run_ends_the_job_with_one_line(two_by_two):
+    """kill-host kills the host's processes too: Hydra then ends on its own (255, its
+    asserts printed) before the watcher's next poll; the link is looked at after."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1", "OPENBLAS_NUM_THREADS": "1"}
+    job = subprocess.Popen([sys.executable, "-m", "numpitron.cluster", "--prefix", PREFIX, "run", "-n", "2",
+                            "--per-host", "1", "--", sys.executable, SCRIPT, "loop"],
+                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert job.stdout.readline().strip() == "training"
+        control.kill_host(1, PREFIX)
+        _, stderr = job.communicate(timeout=30)
+    finally:
+        job.kill()
+        set_host_link(two_by_two, 1, up=True)
+    assert job.returncode == 1, stderr
+    assert stderr.strip() == f"error: host 1 ({PREFIX}host1) lost its link to the other hosts; ended the job", stderr
+    assert network.namespace_pids(f"{PREFIX}h0") == network.namespace_pids(f"{PREFIX}h1") == []
+
+
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGTERM"])
+def test_a_killed_run_leaves_no_job_running(two_by_two, signal_name):
+    """mpiexec runs in its own session: it must not outlive the `run` that started it
+    (SIGKILL: the kernel's parent-death signal; SIGTERM: ended as Ctrl-C ends it)."""
+    import signal
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1", "OPENBLAS_NUM_THREADS": "1"}
+    job = subprocess.Popen([sys.executable, "-m", "numpitron.cluster", "--prefix", PREFIX, "run", "-n", "2",
+                            "--per-host", "1", "--", sys.executable, SCRIPT, "loop"],
+                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert job.stdout.readline().strip() == "training"
+        job.send_signal(getattr(signal, signal_name))
+        _, stderr = job.communicate(timeout=30)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(network.namespace_pids(n) for n in two_by_two.namespaces()):
+            time.sleep(0.2)
+        left = {n: network.namespace_pids(n) for n in two_by_two.namespaces()}
+    finally:
+        job.kill()
+        for namespace in two_by_two.namespaces():
+            network.kill_namespace_processes(namespace)
+    assert not any(left.values()), left
+    if signal_name == "SIGTERM":
+        assert job.returncode == 130 and stderr.strip() == "error: interrupted; ended the job", stderr

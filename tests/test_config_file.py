@@ -105,6 +105,12 @@ def test_a_wrong_key_or_type_is_one_line_naming_it(tmp_path, text, fragment):
     assert fragment in str(caught.value) and "\n" not in str(caught.value), caught.value
 
 
+def test_a_byte_order_mark_is_read_past(tmp_path):
+    path = tmp_path / "bom.toml"
+    path.write_bytes("\ufeff[training]\nmax_iters = 7\n".encode("utf-8"))    # as Notepad saves UTF-8
+    assert train_parser().parse_args(["--config", str(path)]).max_iters == 7
+
+
 def test_a_missing_file_and_the_cli_error_are_one_line(tmp_path):
     with pytest.raises(UserError, match="config file not found"):
         train_parser().parse_args(["--config", str(tmp_path / "nope.toml")])

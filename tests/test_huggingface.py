@@ -19,7 +19,7 @@ from numpitron.data.tokenizer import CharTokenizer
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
 from tests.conftest import REPO, shakespeare_text_path
-from tests.harness import SMALLER, make_trainer, tiny_model, train_steps
+from tests.harness import SMALLER, make_trainer, snapshot, tiny_model, train_steps
 
 MODEL = tiny_model(**SMALLER)                  # float64, vocab 65, T 16, 2 layers, 2 heads, C 32
 TRAIN = TrainConfig(micro_batch_size=2, global_batch_size=4, max_iters=10, warmup_iters=2, seed=1).validate()
@@ -157,9 +157,14 @@ def edit_json(directory, name, edit):
 @pytest.mark.parametrize("name, edit, fragment", [
     ("config.json", lambda c: c.update(activation_function="relu"), "activation_function='relu'"),
     ("config.json", lambda c: c.update(layer_norm_epsilon=1e-6), "layer_norm_epsilon=1e-06"),
-    ("config.json", lambda c: c.update(n_head=3), "n_heads (3)"),
+    ("config.json", lambda c: c.update(n_head=3), "n_embd (32) must be divisible by n_head (3)"),
+    ("config.json", lambda c: c.update(n_embd=None), "n_embd must be a positive integer, got null"),
+    ("config.json", lambda c: c.update(n_embd={"a": 1}), 'n_embd must be a positive integer, got {"a": 1}'),
+    ("config.json", lambda c: c.update(n_head=True), "n_head must be a positive integer, got true"),
+    ("config.json", lambda c: c.update(n_positions="16"), 'n_positions must be a positive integer, got "16"'),
+    ("config.json", lambda c: c.update(n_layer=10 ** 9), "n_layer is 1000000000 but it holds 2 blocks"),
     ("config.json", lambda c: c.update(model_type="llama"), "not a GPT-2 config"),
-    ("config.json", lambda c: c.update(n_layer=3), "missing transformer.h.2.attn.c_attn.bias"),
+    ("config.json", lambda c: c.update(n_layer=3), "n_layer is 3 but it holds 2 blocks"),
     ("config.json", lambda c: c.update(vocab_size=64), "vocab_size 64 differs from the tokenizer's 65"),
     ("tokenizer.json", lambda t: t["model"]["vocab"].update({"ab": 65}), "every token must be one character"),
     ("tokenizer.json", lambda t: t["model"]["vocab"].update({"é": 70}), "token ids must be 0 .. 65"),
@@ -172,6 +177,18 @@ def test_import_refuses_what_numpitron_cannot_represent(saved, tmp_path, name, e
     with pytest.raises(UserError) as caught:
         import_hf(hf, tmp_path / "root")
     assert fragment in str(caught.value) and "\n" not in str(caught.value), caught.value
+    assert not (tmp_path / "root").exists()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_import_refuses_weights_that_are_not_finite(saved, tmp_path, bad):
+    hf = tmp_path / "hf"
+    shutil.copytree(saved[2], hf)
+    tensors = load_file(saved[2] / "model.safetensors")
+    tensors["transformer.h.1.mlp.c_fc.weight"][3, 4] = bad
+    save_file(tensors, hf / "model.safetensors")
+    with pytest.raises(UserError, match="transformer.h.1.mlp.c_fc.weight holds NaN or infinite values"):
+        import_hf(hf, tmp_path / "root")
     assert not (tmp_path / "root").exists()
 
 
@@ -194,6 +211,17 @@ def test_untied_head_and_existing_files_are_refused_and_left_alone(saved, tmp_pa
         export_hf(path, mine)
     assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_export_into_a_checkpoint_or_where_a_run_saves_is_refused(saved, tmp_path):
+    path = saved[0]
+    root = tmp_path / "run/checkpoints"
+    shutil.copytree(path.parent, root)
+    before = snapshot(tmp_path)
+    for out in (root / path.name / "hf", root / "iter_000030", root / "iter_000030/hf", root / "latest"):
+        with pytest.raises(UserError, match="refusing to write"):
+            export_hf(root / path.name, out)
+    assert snapshot(tmp_path) == before and not (root / "iter_000030").exists()
 
 
 def test_experts_are_refused_in_one_line(tmp_path):

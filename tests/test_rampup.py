@@ -26,6 +26,27 @@ def test_the_batch_grows_by_one_increment_per_share_of_the_samples():
     assert TrainConfig(micro_batch_size=2, global_batch_size=16).global_batch_at(0, 1) == 16
 
 
+def table_of_every_iteration(start, increment, samples, target, iterations):
+    """The ramp as it was first written: one entry per iteration (the reference)."""
+    per_increment, sizes, consumed = samples / max(1, (target - start) // increment), [], 0
+    for _ in range(iterations):
+        sizes.append(min(target, start + int(consumed / per_increment) * increment))
+        consumed += sizes[-1]
+    return sizes
+
+
+@pytest.mark.parametrize("start, increment, samples, target", [
+    (4, 4, 40, 16), (4, 4, 24, 12), (8, 8, 400, 32), (2, 2, 7, 64), (8, 8, 3, 64), (6, 2, 1000, 30), (4, 4, 1, 4)])
+@pytest.mark.timeout(30)
+def test_the_ramp_by_stages_is_the_ramp_of_every_iteration_and_costs_nothing_at_huge_max_iters(
+        start, increment, samples, target):
+    cfg = TrainConfig(micro_batch_size=2, global_batch_size=target, rampup_batch_size=(start, increment, samples),
+                      max_iters=10 ** 12).validate()
+    expected = table_of_every_iteration(start, increment, samples, target, 600)
+    assert [cfg.global_batch_at(i, 1) for i in range(600)] == expected
+    assert [cfg.global_batch_at(i, 1) for i in (10 ** 12 - 1, 10 ** 15)] == [target, target]   # instant
+
+
 def test_a_ramp_step_is_the_step_of_that_batch_size():
     ramp = make_trainer(tiny_model(), tiny_train(**RAMP), Topology.serial())
     fixed = make_trainer(tiny_model(), tiny_train(micro_batch_size=2, global_batch_size=4), Topology.serial())

@@ -7,6 +7,7 @@ other host with the trajectory of a run resumed by hand from the same checkpoint
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -87,3 +88,24 @@ def test_a_lost_host_is_survived_with_the_trajectory_of_a_resume_by_hand(data_di
     after = list(range(resumed_at + 1, 9))
     assert after and [reference[i] for i in after] == pytest.approx([supervised[i] for i in after], rel=1e-10, abs=0)
     print(f"resumed at {resumed_at}; losses after it: {[supervised[i] for i in after]}")
+
+
+@needs_cluster
+def test_ctrl_c_stops_a_supervised_job_and_restarts_nothing():
+    """SIGINT (Ctrl-C) reaches the supervisor only (mpiexec runs in its own session):
+    it ends the job and stops, one line, exit 130; no "restart", nothing left running."""
+    from numpitron.cluster.network import namespace_pids
+    assert cluster("down").wait() == 0
+    assert cluster("up", "--hosts", "2", "--ranks-per-host", "1", "--inter-host-rate", "200mbit").wait() == 0
+    try:
+        job = cluster("run", "--max-restarts", "2", "-n", "2", "--", sys.executable,
+                      str(REPO / "tests/scripts/on_cluster.py"), "loop")
+        assert job.stdout.readline().strip() == "training"
+        job.send_signal(signal.SIGINT)
+        _, stderr = job.communicate(timeout=60)
+        left = namespace_pids(f"{PREFIX}h0") + namespace_pids(f"{PREFIX}h1")
+    finally:
+        job.kill()
+        cluster("down").wait()
+    assert job.returncode == 130 and stderr.strip() == "error: interrupted; ended the job", (job.returncode, stderr)
+    assert left == []

@@ -206,3 +206,31 @@ def test_collectives_move_and_count_the_right_bytes():
         "dp.all_reduce": (2 * (1 / 2) * 4 * 8, 1), "tp.all_reduce": (2 * (1 / 2) * 8 * 4, 1)}
     flags["seconds counted"] = all(v["seconds"] > 0 for v in snap.values())
     assert_on_every_rank(flags)
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_a_started_collective_keeps_the_buffers_it_was_given_until_waited_for():
+    # mpi4py's request holds no reference: a temporary handed to a non-blocking call
+    # (a transposed copy, a wire format's cast) must live in the Pending until `wait`.
+    import weakref
+    comm, flags, n = Comm(MPI.COMM_WORLD, CommStats(), "w"), {}, 1 << 17
+    for wire in (None, np.dtype("float32")):
+        mine = np.empty(n)
+        full = np.full(2 * n, 1.0 + comm.rank)
+        alive = weakref.ref(full)
+        pending = comm.ireduce_scatter(full, mine, [n, n], wire)
+        del full
+        flags[f"reduce_scatter {wire}: kept"] = alive() is not None
+        np.full(2 * n, -7.0)                           # what a freed buffer's memory would get
+        comm.wait(pending)
+        flags[f"reduce_scatter {wire}: sum"] = bool(np.all(mine == 3.0))
+        flags[f"reduce_scatter {wire}: released"] = alive() is None
+        whole = np.empty(2 * n)
+        piece = np.full(n, 1.0 + comm.rank)
+        alive = weakref.ref(piece)
+        pending = comm.iall_gather(piece, whole, [n, n], wire)
+        del piece
+        flags[f"all_gather {wire}: kept"] = alive() is not None
+        comm.wait(pending)
+        flags[f"all_gather {wire}: values"] = bool(np.all(whole == np.repeat([1.0, 2.0], n)))
+    assert_on_every_rank(flags)

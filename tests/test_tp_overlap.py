@@ -81,3 +81,11 @@ def test_overlap_changes_no_bit_and_no_byte(sequence_parallel):
         tp_bytes = {k: v["bytes"] for k, v in trainer.topo.stats.snapshot().items() if k.startswith("tp.")}
         runs[overlap] = losses, tp_bytes
     assert_on_every_rank({"losses": (runs[True][0], runs[False][0]), "tp bytes": (runs[True][1], runs[False][1])})
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_sequence_parallel_overlap_in_float64_matches_serial_at_the_batch_of_issue_46():
+    # tp = 2, --sequence-parallel, overlap on (the default), micro-batch 12: the
+    # reduce-scatter's send buffer was freed, then reused, while MPI still read it.
+    check_mesh(dict(tensor=2, sequence_parallel=True, tp_comm_overlap=True), model=dict(seq_len=64, d_model=128, n_layers=2),
+               micro_batch_size=12, global_batch_size=12)

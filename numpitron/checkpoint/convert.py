@@ -112,6 +112,9 @@ def import_npz(npz_file, root) -> Path:
                 raise UserError(f"{npz_file}: {name} is {found_dtype}{list(found_shape)}, expected a float array "
                                 f"of shape {list(shape)}")
         arrays = {name: archive[name] for name in expected}
+    for name, array in arrays.items():
+        if not np.all(np.isfinite(array)):
+            raise UserError(f"{npz_file}: {name} holds NaN or infinite values; a model to train must not")
     return write_fresh_checkpoint(root, model_cfg, arrays, str(npz_file), model)
 
 

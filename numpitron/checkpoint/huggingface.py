@@ -31,7 +31,7 @@ import numpy as np
 
 from numpitron.checkpoint.convert import _few, write_fresh_checkpoint
 from numpitron.checkpoint.load import open_reader
-from numpitron.checkpoint.manifest import LATEST_NAME, TMP_PREFIX, iter_dirs, read_manifest
+from numpitron.checkpoint.manifest import LATEST_NAME, MANIFEST_NAME, TMP_PREFIX, iter_dirs, iteration_of, read_manifest
 from numpitron.config import DTYPES, ModelConfig, from_dict
 from numpitron.data.hf_tokenizer import chars_from_tokenizer_json, tokenizer_json
 from numpitron.data.tokenizer import CharTokenizer
@@ -47,6 +47,8 @@ BLOCK_NAMES = [("ln1.weight", "ln_1.weight"), ("ln1.bias", "ln_1.bias"),
                ("ln2.weight", "ln_2.weight"), ("ln2.bias", "ln_2.bias"),
                ("mlp.fc.weight", "mlp.c_fc.weight"), ("mlp.fc.bias", "mlp.c_fc.bias"),
                ("mlp.proj.weight", "mlp.c_proj.weight"), ("mlp.proj.bias", "mlp.c_proj.bias")]
+# config.json's sizes (besides vocab_size, the tokenizer's) and our ModelConfig's names for them.
+GPT2_SIZES = {"n_positions": "seq_len", "n_layer": "n_layers", "n_head": "n_heads", "n_embd": "d_model"}
 OUTER_NAMES = [("embedding.token.weight", "wte.weight"), ("embedding.position.weight", "wpe.weight"),
                ("ln_f.weight", "ln_f.weight"), ("ln_f.bias", "ln_f.bias")]
 
@@ -113,6 +115,7 @@ def import_hf(hf_dir, root) -> Path:
     chars = chars_from_tokenizer_json(_read_json(hf_dir / TOKENIZER), str(hf_dir / TOKENIZER))
     tensors = _read_safetensors(hf_dir / WEIGHTS)
     model_cfg = _model_config(_read_json(hf_dir / CONFIG), hf_dir / CONFIG, tensors, len(chars))
+    _check_blocks(hf_dir / WEIGHTS, tensors, model_cfg.n_layers)    # before a table of n_layer blocks
     expected = {theirs: (ours, _gpt2_shape(ours, model_cfg)) for ours, theirs in name_pairs(model_cfg.n_layers)}
     _check_names(hf_dir / WEIGHTS, tensors, expected)
     params = {}
@@ -120,6 +123,8 @@ def import_hf(hf_dir, root) -> Path:
         array = tensors[theirs]
         if array.shape != shape:
             raise UserError(f"{hf_dir / WEIGHTS}: {theirs} has shape {list(array.shape)}, expected {list(shape)}")
+        if not np.all(np.isfinite(array)):
+            raise UserError(f"{hf_dir / WEIGHTS}: {theirs} holds NaN or infinite values; a model to train must not")
         params[ours] = array.astype(model_cfg.dtype).reshape(_our_shape(ours, model_cfg))
     # CharTokenizer numbers the characters in sorted order: put the embedding's rows in it.
     order = np.argsort(np.array(chars), kind="stable")
@@ -168,6 +173,12 @@ def _model_config(config, origin: Path, tensors: dict, vocab: int) -> ModelConfi
     """Our ModelConfig from a GPT2Config, refusing anything whose math differs from ours."""
     if not isinstance(config, dict) or config.get("model_type") != "gpt2":
         raise UserError(f"{origin}: not a GPT-2 config (model_type must be \"gpt2\")")
+    for key in GPT2_SIZES:                          # before any arithmetic on them
+        value = config.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(f"{origin}: {key} must be a positive integer, got {json.dumps(value)[:40]}")
+    if config["n_embd"] % config["n_head"]:
+        raise UserError(f"{origin}: n_embd ({config['n_embd']}) must be divisible by n_head ({config['n_head']})")
     differing = {"activation_function": config.get("activation_function", "gelu_new") in GELU_TANH,
                  "layer_norm_epsilon": config.get("layer_norm_epsilon", LAYER_NORM_EPS) == LAYER_NORM_EPS,
                  "n_inner": config.get("n_inner") in (None, 4 * config.get("n_embd", 0)),
@@ -187,10 +198,18 @@ def _model_config(config, origin: Path, tensors: dict, vocab: int) -> ModelConfi
         raise UserError(f"{origin}: vocab_size {config.get('vocab_size')!r} differs from the tokenizer's "
                         f"{vocab} characters")
     try:
-        return ModelConfig(vocab_size=vocab, seq_len=config.get("n_positions"), n_layers=config.get("n_layer"),
-                           n_heads=config.get("n_head"), d_model=config.get("n_embd"), dtype=dtype).validate()
+        return ModelConfig(vocab_size=vocab, **{ours: config[key] for key, ours in GPT2_SIZES.items()},
+                           dtype=dtype).validate(label={ours: key for key, ours in GPT2_SIZES.items()}.get)
     except UserError as error:
         raise UserError(f"{origin}: {error}") from None
+
+
+def _check_blocks(origin: Path, tensors: dict, n_layers: int) -> None:
+    """config.json's n_layer against the blocks the file holds, so that a wrong count
+    costs one line, not a name table as long as the count."""
+    held = len({name.split(".")[2] for name in tensors if name.startswith("transformer.h.")})
+    if n_layers != held:
+        raise UserError(f"{origin} is not GPT-2 of its config.json: n_layer is {n_layers} but it holds {held} blocks")
 
 
 def _check_names(origin: Path, tensors: dict, expected: dict) -> None:
@@ -241,6 +260,13 @@ def _json_bytes(obj) -> bytes:
 
 
 def _refuse_existing_files(out_dir: Path) -> None:
+    # Inside a checkpoint (which pruning would then delete, or never delete), or at a
+    # name a run saves to (iter_NNNNNN, latest): convert export refuses these too.
+    for directory in [out_dir.resolve(), *out_dir.resolve().parents]:
+        if iteration_of(directory) is not None or (directory / MANIFEST_NAME).exists():
+            raise UserError(f"refusing to write {out_dir}: {directory} is a checkpoint's place; choose another")
+    if out_dir.name == LATEST_NAME and iter_dirs(out_dir.parent):
+        raise UserError(f"refusing to write {out_dir}: it is the checkpoints' pointer to the newest one")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UserError(f"{out_dir} already exists and is not an empty directory; choose a new one")
 

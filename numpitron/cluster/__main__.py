@@ -11,6 +11,7 @@ Needs root (network namespaces); see numpitron/cluster/__init__.py and docs/15-m
 """
 
 import argparse
+import signal
 import sys
 
 from numpitron.cluster import control, launch
@@ -48,6 +49,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interrupt(number, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     if args.action == "up":
@@ -59,9 +64,15 @@ def main(argv=None) -> int:
         announce = lambda line: print(line, file=sys.stderr, flush=True)    # noqa: E731
         if args.max_restarts < 0:
             raise ClusterError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
-        if args.max_restarts:
-            return supervise(command, args.n, args.max_restarts, args.prefix, args.per_host, announce)
-        return launch.run(command, args.n, args.prefix, args.per_host, announce)
+        for number in (signal.SIGTERM, signal.SIGHUP):      # `kill`, a closed terminal: as Ctrl-C
+            signal.signal(number, _interrupt)
+        try:
+            if args.max_restarts:
+                return supervise(command, args.n, args.max_restarts, args.prefix, args.per_host, announce)
+            return launch.run(command, args.n, args.prefix, args.per_host, announce)
+        except KeyboardInterrupt:           # Ctrl-C: the job was ended (run_job); stop, never restart
+            announce("error: interrupted; ended the job")
+            return 130
     elif args.action == "status":
         print(control.status(args.prefix))
     elif args.action == "kill-host":

@@ -64,8 +64,9 @@ def up(spec: ClusterSpec) -> ClusterSpec:
         raise ClusterError("--hosts and --ranks-per-host must be positive")
     if spec.hosts > 250 or spec.ranks_per_host > 250:
         raise ClusterError("at most 250 hosts and 250 ranks per host (one address byte each)")
-    for rate in filter(None, (spec.inter_host_rate, spec.intra_host_rate)):
-        parse_rate(rate)
+    for rate in (spec.inter_host_rate, spec.intra_host_rate):
+        if rate is not None:                # '' too: a rate that reads as none is still refused
+            parse_rate(rate)
     if spec.mtu is not None and not MTU_RANGE[0] <= spec.mtu <= MTU_RANGE[1]:
         raise ClusterError(f"--mtu must lie in {MTU_RANGE[0]}..{MTU_RANGE[1]} bytes, got {spec.mtu}")
     reason = stale_reason(spec.prefix)
@@ -75,9 +76,15 @@ def up(spec: ClusterSpec) -> ClusterSpec:
         raise ClusterError(f"a cluster with prefix {spec.prefix!r} is already up; run `down` first")
     create(spec)
     directory = state_dir(spec.prefix)
-    directory.mkdir(parents=True, exist_ok=True)
-    _write_hop(spec, directory / "hop")
-    (directory / "cluster.json").write_text(json.dumps(spec.to_dict(), indent=1) + "\n")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _write_hop(spec, directory / "hop")
+        (directory / "cluster.json").write_text(json.dumps(spec.to_dict(), indent=1) + "\n")
+    except BaseException as error:          # no half cluster: namespaces without a record
+        down(spec.prefix)
+        if isinstance(error, OSError):
+            raise ClusterError(f"cannot write the cluster record in {directory}: {error.strerror or error}") from None
+        raise
     return spec
 
 

@@ -100,41 +100,70 @@ def run_job(spec: ClusterSpec, command: list[str], places: list[tuple[int, int]]
             quiet_launcher: bool = False) -> tuple[int, list[int]]:
     """Run `command` with a rank at each of `places`, watching the links of their hosts:
     (exit code, the hosts whose link went down; the job was ended then, code 1).
-    quiet_launcher: leave out the lines Hydra itself prints when a rank dies (its
-    banner and a trace of its internal asserts), for a caller that says it in one line."""
+    The lines Hydra itself prints (its banner, a trace of its internal asserts) are held
+    back, and shown after the job only if no host was lost and not `quiet_launcher` (a
+    caller that says what happened in one line). Ctrl-C ends the job, then is raised."""
     if not command:
         raise ClusterError("nothing to run: give the command after --")
     hosts = sorted({host for host, _ in places})
     down = [h for h in hosts if not host_link_is_up(spec, h)]
     if down:
         raise ClusterError(f"host {down[0]} ({spec.hostname(down[0])}) has no link; run `down`, then `up`")
-    pipe = subprocess.PIPE if quiet_launcher else None
-    job = subprocess.Popen(mpiexec_command(spec, command, places), start_new_session=True, stdout=pipe, stderr=pipe)
-    copiers = [threading.Thread(target=_copy_without_launcher, args=(source, sink), daemon=True)
-               for source, sink in ((job.stdout, sys.stdout), (job.stderr, sys.stderr)) if source]
+    job = subprocess.Popen(mpiexec_command(spec, command, places), start_new_session=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+    held: list = []
+    copiers = [threading.Thread(target=_copy_without_launcher, args=(source, sink, held), daemon=True)
+               for source, sink in ((job.stdout, sys.stdout), (job.stderr, sys.stderr))]
     for copier in copiers:
         copier.start()
     try:
-        while True:
-            try:
-                return job.wait(timeout=WATCH_INTERVAL_S), []
-            except subprocess.TimeoutExpired:
-                pass
-            lost = [h for h in hosts if not host_link_is_up(spec, h)]
-            if lost:
-                _end(job, spec, hosts)
-                return 1, lost
-    except KeyboardInterrupt:
+        code, lost = _watch(job, spec, hosts)
+    except BaseException:                       # Ctrl-C (KeyboardInterrupt) or anything else: nothing stays
         _end(job, spec, hosts)
-        return 130, []
+        raise
     finally:
         for copier in copiers:
             copier.join()
+    for sink, line in held if not (lost or quiet_launcher) else []:
+        sink.buffer.write(line)
+        sink.flush()
+    return code, lost
 
 
-def _copy_without_launcher(source, sink) -> None:
+def _watch(job: subprocess.Popen, spec: ClusterSpec, hosts: list[int]) -> tuple[int, list[int]]:
+    """Wait for the job, polling its hosts' links; a lost link ends it. The links are
+    looked at once more after a failed exit: Hydra may end (code 255) on its own, its
+    proxy on the lost host gone, before a poll saw the link down."""
+    while True:
+        try:
+            code = job.wait(timeout=WATCH_INTERVAL_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code == 0:
+            return 0, []
+        lost = [h for h in hosts if not host_link_is_up(spec, h)]
+        if lost:
+            _end(job, spec, hosts)              # the ranks Hydra left on the hosts still up, too
+            return 1, lost
+        if code is not None:
+            return code, []
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the process that started it dies, so a
+    killed `run` leaves no mpiexec behind (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)       # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _copy_without_launcher(source, sink, held: list) -> None:
     for line in iter(source.readline, b""):
-        if not LAUNCHER_LINE.match(line):
+        if LAUNCHER_LINE.match(line):
+            held.append((sink, line))
+        else:
             sink.buffer.write(line)
             sink.flush()
 

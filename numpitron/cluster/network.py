@@ -115,11 +115,11 @@ def existing_namespaces(prefix: str) -> list[str]:
 def parse_rate(rate: str) -> float:
     """Bytes per second of a tc rate: bit, kbit, mbit, gbit (bits) or bps, kbps, mbps,
     gbps (bytes), with SI prefixes as tc reads them."""
-    match = re.fullmatch(r"([0-9.]+)\s*([kmgt]?)(bit|bps)", rate.strip().lower())
-    if not match:
-        raise ClusterError(f"cannot read the rate {rate!r}: write e.g. 200mbit, 1gbit or 25mbps")
-    value = float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[match.group(2)]
-    return value / 8 if match.group(3) == "bit" else value
+    match = re.fullmatch(r"([0-9]+(\.[0-9]*)?|\.[0-9]+)\s*([kmgt]?)(bit|bps)", str(rate).strip().lower())
+    value = float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[match.group(3)] if match else 0
+    if value < 1:
+        raise ClusterError(f"cannot read the rate {rate!r}: write a positive rate, e.g. 200mbit, 1gbit or 25mbps")
+    return value / 8 if match.group(4) == "bit" else value
 
 
 def shape(namespace: str, device: str, rate: str, mtu: int) -> None:
@@ -202,7 +202,7 @@ def create(spec: ClusterSpec) -> None:
                 if spec.intra_host_rate:
                     shape(sw, f"r{h}-{s}", spec.intra_host_rate, spec.frame_bytes)
                     shape(namespace, "eth0", spec.intra_host_rate, spec.frame_bytes)
-    except ClusterError:
+    except BaseException:                   # a failed command, Ctrl-C, a bug: nothing stays behind
         destroy(spec.prefix)
         raise
 

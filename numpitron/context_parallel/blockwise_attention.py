@@ -2,7 +2,7 @@
 softmax, so that blocks may arrive one at a time (around a context-parallel ring, or
 all at once on one rank) and the full T x T scores never need to exist together.
 
-A chunk carries the global positions of its rows (`distributed.zigzag.Chunk`), which is
+A chunk carries the global positions of its rows (`context_parallel.zigzag.Chunk`), which is
 all the causal mask needs: a key is visible to a query when its position is not later.
 Queries go in tiles of at most QUERY_TILE rows (`query_tiles`), and for each tile the
 keys it can see form one softmax group: a prefix of the block's rows (its chunks are

@@ -25,53 +25,26 @@ ends the job instead of hanging it.
 """
 
 import time
-from collections import defaultdict
 
 import numpy as np
 
+from numpitron.distributed.comm_stats import CommStats  # noqa: F401  (imported from here by callers)
 from numpitron.distributed.watchdog import Watchdog
 from numpitron.distributed.wire import on_wire, sum_op
-
-
-class CommStats:
-    """Bytes, calls and seconds per collective ("tp.all_reduce", "pp.send", ...), shared
-    by the communicators of a topology. For a non-blocking call the seconds are those
-    spent waiting for it: the part of its time that computation did not hide."""
-
-    def __init__(self):
-        self.bytes = defaultdict(float)
-        self.calls = defaultdict(int)
-        self.seconds = defaultdict(float)
-
-    def add(self, collective: str, nbytes: float, seconds: float = 0.0) -> None:
-        self.bytes[collective] += nbytes
-        self.calls[collective] += 1
-        self.seconds[collective] += seconds
-
-    def total_bytes(self) -> float:
-        return sum(self.bytes.values())
-
-    def total_seconds(self) -> float:
-        return sum(self.seconds.values())
-
-    def snapshot(self) -> dict:
-        return {name: {"bytes": self.bytes[name], "calls": self.calls[name], "seconds": self.seconds[name]}
-                for name in sorted(self.bytes)}
-
-    def reset(self) -> None:
-        self.bytes.clear()
-        self.calls.clear()
-        self.seconds.clear()
 
 
 class Pending:
     """A non-blocking collective in flight: `Comm.wait` completes it (and counts the
     seconds spent waiting, then runs `then`: a wire format's result cast back),
-    `Comm.test` lets MPI progress it without blocking."""
+    `Comm.test` lets MPI progress it without blocking.
 
-    def __init__(self, request, collective: str, then=None):
+    It holds every buffer MPI reads or writes (`buffers`) until it is waited for:
+    mpi4py's request does not, so a temporary (a transposed copy, a wire format's
+    cast) would be freed at once and its memory reused while MPI still reads it."""
+
+    def __init__(self, request, collective: str, then=None, buffers=()):
         self.request, self.collective, self.done = request, collective, request is None
-        self.then = then
+        self.then, self.buffers = then, buffers
 
 
 class Comm:
@@ -121,7 +94,8 @@ class Comm:
         packed, unpack = on_wire(buf, wire)
         collective = f"{self.name}.all_reduce"
         self.stats.add(collective, 2 * (self.size - 1) / self.size * packed.nbytes)
-        return Pending(self.mpi.Iallreduce(MPI.IN_PLACE, packed, op=sum_op(packed, buf, wire)), collective, unpack)
+        return Pending(self.mpi.Iallreduce(MPI.IN_PLACE, packed, op=sum_op(packed, buf, wire)), collective, unpack,
+                       (packed, buf))
 
     def wait(self, pending: Pending) -> None:
         if not pending.done:
@@ -129,6 +103,7 @@ class Comm:
             self._watched(pending.collective, pending.request.Wait)
             pending.done = True
             self.stats.seconds[pending.collective] += time.perf_counter() - start
+        pending.buffers = ()
         if pending.then is not None:
             pending.then, then = None, pending.then
             then()
@@ -166,7 +141,7 @@ class Comm:
         collective = f"{self.name}.reduce_scatter"
         self.stats.add(collective, packed.nbytes - received.nbytes)
         return Pending(self.mpi.Ireduce_scatter(packed, received, counts, op=sum_op(packed, full, wire)),
-                       collective, unpack)
+                       collective, unpack, (packed, received, full, mine, counts))
 
     def iall_gather(self, mine: np.ndarray, full: np.ndarray, counts: list[int],
                     wire: np.dtype | None = None) -> Pending:
@@ -180,7 +155,8 @@ class Comm:
         received, unpack = on_wire(full, wire)
         collective = f"{self.name}.all_gather"
         self.stats.add(collective, received.nbytes - sent.nbytes)
-        return Pending(self.mpi.Iallgatherv(sent, [received, (list(counts), displacements)]), collective, unpack)
+        spec = (list(counts), displacements)
+        return Pending(self.mpi.Iallgatherv(sent, [received, spec]), collective, unpack, (sent, received, mine, full, spec))
 
     def all_gather(self, full: np.ndarray, wire: np.dtype | None = None) -> np.ndarray:
         """In place: rank r's slice r of `full` is filled in on every rank."""
@@ -281,11 +257,11 @@ class Comm:
     def isend(self, buf: np.ndarray, dest: int, tag: int = 0) -> Pending:
         """Non-blocking send; the caller keeps `buf` alive until it is waited for."""
         self.stats.add(f"{self.name}.send", buf.nbytes)
-        return Pending(self.mpi.Isend(buf, dest=dest, tag=tag), f"{self.name}.send")
+        return Pending(self.mpi.Isend(buf, dest=dest, tag=tag), f"{self.name}.send", buffers=(buf,))
 
     def irecv(self, buf: np.ndarray, source: int, tag: int = 0) -> Pending:
         self.stats.add(f"{self.name}.recv", buf.nbytes)
-        return Pending(self.mpi.Irecv(buf, source=source, tag=tag), f"{self.name}.recv")
+        return Pending(self.mpi.Irecv(buf, source=source, tag=tag), f"{self.name}.recv", buffers=(buf,))
 
     def ring_pass(self, bufs: list[np.ndarray], tag: int = 0) -> tuple[list[np.ndarray], list[Pending]]:
         """Start sending `bufs` to the next rank of the ring and receiving the previous

@@ -54,7 +54,9 @@ class Param:
 
     @property
     def local_shape(self) -> tuple:
-        return tuple(len(range(*s.indices(n))) for s, n in zip(self.tp_slice(), self.full_shape))
+        # Python ints throughout (not len(range)): a planner may ask about sizes no host holds.
+        return tuple(max(0, stop - start) for start, stop, _ in (s.indices(n) for s, n in zip(self.tp_slice(),
+                                                                                                self.full_shape)))
 
     def draw_full(self, seed: int) -> np.ndarray:
         """The full logical tensor at initialisation, identical on every mesh: drawn from

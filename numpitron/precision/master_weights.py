@@ -88,7 +88,7 @@ class MasterWeightAdam:
 
 
 def step_mixed(optimizers, lr: float, scaler) -> float:
-    """`optim.distributed.step_together` for a mixed-precision run. Each optimizer's
+    """`data_parallel.distributed_optimizer.step_together` for a mixed-precision run. Each optimizer's
     reduction rounds its gradients to the low format before summing them over dp
     (`low_grads`), in the low format or in fp32 (--grad-reduce-dtype); the mean lands in
     the low-format gradient buffer (rounded here: fp16 gives inf where it overflowed),
