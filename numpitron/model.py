@@ -31,7 +31,7 @@ from numpitron.nn.head import LanguageModelHead
 from numpitron.nn.layer import FULL_PRECISION, Layer
 from numpitron.nn.param_store import ParamStore
 from numpitron.nn.recompute import Recomputed
-from numpitron.data_parallel.residency import AlwaysResident
+from numpitron.nn.residency import AlwaysResident
 from numpitron.pipeline_parallel.placement import StagePlacement
 from numpitron.tensor_parallel.regions import make_region
 from numpitron.tensor_parallel.vocab_parallel import VocabParallelEmbedding
@@ -69,7 +69,7 @@ class GPTStage(Layer):
         params = self.tied + [p for layer in self.layers for p in layer.parameters() if p not in self.tied]
         self._build_stores(params, seed)
         self.summed_in_finalize = self._summed_in_finalize(params)
-        self.residency = AlwaysResident()       # ZeRO-3 installs its own (data_parallel/residency.py)
+        self.residency = AlwaysResident()       # ZeRO-3 installs its own (nn/residency.py)
         self.precision = FULL_PRECISION         # a mixed run installs its format (precision/formats.py)
 
     def _build_embeddings_and_head(self) -> None:
