@@ -117,7 +117,7 @@ class ZeroThreeOptimizer(DistributedOptimizer):
 
 
 class LayerGatherer:
-    """The residency hooks (data_parallel/residency.py) of ZeRO-3 for one GPTStage."""
+    """The residency hooks (nn/residency.py) of ZeRO-3 for one GPTStage."""
 
     def __init__(self, model, optimizer):
         store = model.store
