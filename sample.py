@@ -7,10 +7,34 @@
 """
 
 import sys
+from dataclasses import dataclass
+from typing import ClassVar
 
+from numpitron.config_fields import setting
 from numpitron.runtime import configure_process
 
 configure_process(sys.argv)
+
+
+@dataclass(frozen=True)
+class SampleFiles:
+    SECTION: ClassVar[str] = "files"        # the --help group and the section of a --config file
+
+    out_dir: str = setting("out", "the training run's directory (uses its latest checkpoint)")
+    checkpoint: str | None = setting(None, "a specific checkpoint directory instead")
+    data_dir: str = setting("data", "tokenizer location if the checkpoint has none")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    SECTION: ClassVar[str] = "sampling"
+
+    prompt: str = setting("\n")
+    max_new_tokens: int = setting(500)
+    temperature: float = setting(0.8, "0: greedy (the most likely token)")
+    top_k: int | None = setting(None)
+    seed: int = setting(1337)
+    num_samples: int = setting(1)
 
 
 def parser():
@@ -18,17 +42,8 @@ def parser():
     p = ArgumentParser(description="Generate text from a numpitron checkpoint.")
     add_config_flag(p)
     add_mesh_flags(p)
-    files = p.add_argument_group("files")
-    files.add_argument("--out-dir", default="out", help="the training run's directory (uses its latest checkpoint)")
-    files.add_argument("--checkpoint", default=None, help="a specific checkpoint directory instead")
-    files.add_argument("--data-dir", default="data", help="tokenizer location if the checkpoint has none")
-    sampling = p.add_argument_group("sampling")
-    sampling.add_argument("--prompt", default="\n")
-    sampling.add_argument("--max-new-tokens", type=int, default=500)
-    sampling.add_argument("--temperature", type=float, default=0.8, help="0: greedy (the most likely token)")
-    sampling.add_argument("--top-k", type=int, default=None)
-    sampling.add_argument("--seed", type=int, default=1337)
-    sampling.add_argument("--num-samples", type=int, default=1)
+    p.add_settings(SampleFiles)
+    p.add_settings(Sampling)
     return p
 
 

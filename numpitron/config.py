@@ -1,15 +1,18 @@
 """Configuration dataclasses and their validation.
 
-Every check here runs identically on every rank before any communication, so a bad
-configuration becomes one error message and never a hang.
+Every field declared with `setting` is also a command-line flag and a key of a --config
+file, in the section its class names (config_fields.py): this is the one place they
+are declared. Every check here runs identically on every rank before any
+communication, so a bad configuration becomes one error message and never a hang.
 """
 
 import functools
-import math
 from dataclasses import asdict, dataclass, fields
+from typing import ClassVar
 
 import numpy as np
 
+from numpitron.config_fields import as_flag, finite, integers, non_negative, positive, setting
 from numpitron.errors import UserError
 from numpitron.pipeline_parallel.schedules import (INTERLEAVED, ONE_F_ONE_B, SCHEDULES, SPLIT_BACKWARD,  # noqa: F401
                                                    V_SHAPED)  # the names are spelled beside the schedules
@@ -21,26 +24,35 @@ RECOMPUTE = ("none", "selective", "full")
 LOAD_BALANCING = ("aux-loss", "bias")                          # docs/11-experts.md
 CONTEXT_PARALLEL_TYPES = ("ring", "ulysses", "hybrid")         # docs/10-context-parallelism.md
 OPTIMIZERS = ("adamw", "muon")
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = 65
-    seq_len: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
-    d_model: int = 128
-    dtype: str = "float32"
+    SECTION: ClassVar[str] = "model"        # its flags' --help group and its section of a --config file
+
+    vocab_size: int = 65                    # no flag: the tokenizer's (the planner has --vocab-size)
+    n_layers: int = setting(4)
+    n_heads: int = setting(4)
+    d_model: int = setting(128)
+    seq_len: int = setting(64)
+    dtype: str = setting("float32", choices=DTYPES)
     # Mixture of experts (docs/11-experts.md); 0 experts: every block has the dense MLP.
-    num_experts: int = 0
-    moe_top_k: int = 2               # experts per token
-    moe_every: int = 1               # block i is MoE when i % moe_every == 0
-    moe_capacity_factor: float = 0.0 # 0: dropless
-    moe_aux_loss_coef: float = 0.01  # Switch's alpha
-    moe_load_balancing: str = "aux-loss"  # or "bias": aux-loss-free (DeepSeek-V3 §2.1.2)
-    moe_bias_update_rate: float = 0.001   # the bias's step u per iteration
-    moe_shared_experts: int = 0      # dense experts every token passes (DeepSeekMoE)
-    moe_expert_hidden: int = 0       # each expert's hidden width; 0: 4 * d_model
+    num_experts: int = setting(0, "mixture of experts: E expert MLPs per MoE block (0: the dense MLP)")
+    moe_top_k: int = setting(2, "experts per token")
+    moe_every: int = setting(1, "block i has experts when i % N == 0 (the others stay dense)")
+    moe_capacity_factor: float = setting(0.0, "an expert takes at most ceil(c k T / E) of a sequence's tokens; "
+                                              "0: dropless")
+    moe_aux_loss_coef: float = setting(0.01, "weight of the load-balancing loss (Switch's alpha; unused with "
+                                             "--moe-load-balancing bias)")
+    # "bias": aux-loss-free balancing (DeepSeek-V3 §2.1.2)
+    moe_load_balancing: str = setting("aux-loss", "aux-loss: Switch's loss; bias: a per-expert routing bias nudged "
+                                                  "after each step", choices=LOAD_BALANCING)
+    moe_bias_update_rate: float = setting(0.001, "with --moe-load-balancing bias: the bias moves by "
+                                                 "u * sign(mean load - load) per step")
+    moe_shared_experts: int = setting(0, "dense experts every token passes beside its routed ones (DeepSeekMoE)")
+    moe_expert_hidden: int = setting(
+        0, "hidden width of each expert (0: 4 * d-model); smaller for finer-grained experts")
 
     @property
     def head_dim(self) -> int:
@@ -62,46 +74,54 @@ class ModelConfig:
     def validate(self, label=None) -> "ModelConfig":
         """label(field) names a field in messages: its flag by default; a config read
         from a file names its fields as the file does."""
-        label = label or _flag
-        _integers(self, "vocab_size", "seq_len", "n_layers", "n_heads", "d_model", label=label)
-        _positive(self, "vocab_size", "seq_len", "n_layers", "n_heads", "d_model", label=label)
+        label = label or as_flag
+        integers(self, "vocab_size", "seq_len", "n_layers", "n_heads", "d_model", label=label)
+        positive(self, "vocab_size", "seq_len", "n_layers", "n_heads", "d_model", label=label)
         if self.d_model % self.n_heads:
             raise UserError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise UserError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        _integers(self, "num_experts", "moe_top_k", "moe_every", "moe_shared_experts", "moe_expert_hidden",
-                  label=label)
-        _finite(self, "moe_capacity_factor", "moe_aux_loss_coef", "moe_bias_update_rate", label=label)
-        _non_negative(self, "num_experts", "moe_capacity_factor", "moe_aux_loss_coef", "moe_bias_update_rate",
-                      "moe_shared_experts", "moe_expert_hidden", label=label)
+        integers(self, "num_experts", "moe_top_k", "moe_every", "moe_shared_experts", "moe_expert_hidden",
+                 label=label)
+        finite(self, "moe_capacity_factor", "moe_aux_loss_coef", "moe_bias_update_rate", label=label)
+        non_negative(self, "num_experts", "moe_capacity_factor", "moe_aux_loss_coef", "moe_bias_update_rate",
+                     "moe_shared_experts", "moe_expert_hidden", label=label)
         if self.moe_load_balancing not in LOAD_BALANCING:
             raise UserError(f"unknown {label('moe_load_balancing')} {self.moe_load_balancing!r}; choose one of "
                             f"{', '.join(LOAD_BALANCING)}")
-        _positive(self, "moe_top_k", "moe_every", label=label)
+        positive(self, "moe_top_k", "moe_every", label=label)
         if self.num_experts and self.moe_top_k > self.num_experts:
             raise UserError(f"{label('moe_top_k')} ({self.moe_top_k}) must not exceed {label('num_experts')} "
                             f"({self.num_experts})")
         return self
 
 
-ZERO_STAGES = (0, 1, 2, 3)
-
-
 @dataclass(frozen=True)
 class ParallelConfig:
     """How to parallelise, beyond the mesh's sizes (which only the Topology holds)."""
 
-    schedule: str = ONE_F_ONE_B      # one of SCHEDULES; only matters with pipeline stages
-    virtual_stages: int = 1          # chunks of layers per pipeline rank (interleaved 1F1B; 2 for a V)
-    zero_stage: int = 0
-    bucket_size: int = 1 << 20       # elements per data-parallel gradient bucket
-    overlap_grad_reduce: bool = True # start each bucket's all-reduce during the backward
-    hierarchical_all_reduce: bool = False  # plain dp: sum gradients in two levels (dp_shard, then dp_replica)
-    sequence_parallel: bool = False  # split LayerNorm/residual activations over tp along the sequence
-    recompute: str = "none"          # "none", "selective" (attention probabilities) or "full" (blocks)
-    context_parallel_type: str = "ring"  # attention over cp: the ring, Ulysses' all-to-all, or both
-    ulysses_size: int = 0            # hybrid only: cp ranks per all-to-all group (the ring spans cp / it)
-    tp_comm_overlap: bool = True     # start column-parallel input-gradient collectives before the weight gradient
+    SECTION: ClassVar[str] = "parallelism"
+
+    schedule: str = setting(ONE_F_ONE_B, "the order of forwards and backwards on each stage "
+                            "(docs/09-pipeline-schedules.md)", choices=SCHEDULES, flag="pipeline-schedule")
+    virtual_stages: int = setting(1, "chunks of layers per pipeline rank, with --pipeline-schedule interleaved "
+                                     "(zb-v and dualpipev: always 2, placed in a V)")
+    zero_stage: int = setting(0, "shard over dp: 1 the optimizer state, 2 also the gradients, 3 also the "
+                                 "parameters", choices=ZERO_STAGES)
+    bucket_size: int = setting(1 << 20, "elements per data-parallel gradient bucket")
+    overlap_grad_reduce: bool = setting(True, "reduce gradients after the backward instead of during it",
+                                        flag="no-overlap-grad-reduce")
+    hierarchical_all_reduce: bool = setting(False, "plain dp: sum gradients in two levels, inside the shard group "
+                                                   "then across the replicas")
+    sequence_parallel: bool = setting(False, "split LayerNorm and residual activations over tp along the sequence")
+    recompute: str = setting("none", "recompute in the backward: nothing, the attention probabilities, or whole "
+                                     "blocks", choices=RECOMPUTE)
+    context_parallel_type: str = setting("ring", "attention over the cp ranks: keys and values around a ring, an "
+                                         "all-to-all over heads (Ulysses), or Ulysses groups joined by a ring "
+                                         "(hybrid)", choices=CONTEXT_PARALLEL_TYPES)
+    ulysses_size: int = setting(0, "with --context-parallel-type hybrid: cp ranks per all-to-all group")
+    tp_comm_overlap: bool = setting(True, "hide each column-parallel layer's input-gradient collective behind its "
+                                          "weight gradient", negatable=True)
 
     def __post_init__(self):
         if self.schedule in V_SHAPED and self.virtual_stages == 1:     # a V has two chunks per rank
@@ -112,9 +132,9 @@ class ParallelConfig:
         return self.schedule in V_SHAPED
 
     def validate(self) -> "ParallelConfig":
-        _integers(self, "virtual_stages", "ulysses_size")
-        _positive(self, "bucket_size", "virtual_stages")
-        _non_negative(self, "ulysses_size")
+        integers(self, "virtual_stages", "ulysses_size")
+        positive(self, "bucket_size", "virtual_stages")
+        non_negative(self, "ulysses_size")
         if self.context_parallel_type not in CONTEXT_PARALLEL_TYPES:
             raise UserError(f"unknown context-parallel type {self.context_parallel_type!r}; choose one of "
                             f"{', '.join(CONTEXT_PARALLEL_TYPES)}")
@@ -145,53 +165,59 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    micro_batch_size: int = 12
-    global_batch_size: int = 0          # 0: micro_batch_size * data-parallel size
-    max_iters: int = 2000
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_iters: int = 100
-    lr_decay_iters: int = 0             # 0: max_iters
-    beta1: float = 0.9
-    beta2: float = 0.99
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0              # 0 disables clipping
-    eval_interval: int = 250
-    eval_iters: int = 200
-    log_interval: int = 10
-    save_interval: int = 0              # 0: only on improvement and at the end
-    keep_checkpoints: int = 2
-    seed: int = 1337
-    # Mixed precision (docs/16-numbers.md): fp32, or bf16 / fp16 / fp8 with fp32 master weights.
-    precision: str = "fp32"
-    loss_scale: float = 0.0             # the initial loss scale; 0: the format's (fp16 2^16, else 1)
-    loss_scale_window: int = 1000       # fp16: clean steps before the scale doubles
-    grad_reduce_dtype: str = "fp32"     # gradients summed over dp in fp32, or "param": the low format
-    optimizer: str = "adamw"            # or "muon": hidden matrices orthogonalised (muon/muon.py)
-    muon_lr: float = 0.0                # 0: lr (Muon's update is scaled to AdamW's RMS)
-    muon_momentum: float = 0.95
-    # Megatron's --rampup-batch-size (start, increment, samples): the global batch grows
-    # from start by increment, evenly over the first `samples` samples; () : no ramp-up.
-    rampup_batch_size: tuple = ()
+    SECTION: ClassVar[str] = "training"
+
+    micro_batch_size: int = setting(12)
+    global_batch_size: int = setting(0, "default: micro batch x dp", unset=True)   # 0: micro batch x dp
+    # (start, increment, samples), or () : no ramp-up
+    rampup_batch_size: tuple[int, ...] = setting((), "grow the global batch from START by INCREMENT, evenly over "
+                                                     "the first SAMPLES samples (Megatron's semantics)", unset=True,
+                                                 count=3, metavar=("START", "INCREMENT", "SAMPLES"))
+    max_iters: int = setting(2000)
+    eval_interval: int = setting(250)
+    eval_iters: int = setting(200)
+    warmup_iters: int = setting(100)
+    lr_decay_iters: int = setting(0)            # 0: max_iters
+    log_interval: int = setting(10)
+    save_interval: int = setting(0)             # 0: only on improvement and at the end
+    keep_checkpoints: int = setting(2)
+    seed: int = setting(1337)
+    lr: float = setting(1e-3)
+    min_lr: float = setting(1e-4)
+    weight_decay: float = setting(0.1)
+    grad_clip: float = setting(1.0)             # 0 disables clipping
+    beta1: float = setting(0.9)
+    beta2: float = setting(0.99)
+    eps: float = 1e-8                           # no flag
+    precision: str = setting("fp32", "fp32, or bf16 / fp16 / fp8 (linear layers' products in FP8, the rest bf16) "
+                                     "with fp32 master weights (docs/16-numbers.md)")
+    loss_scale: float = setting(0.0, "initial loss scale, a power of two (0: fp16 starts at 2^16, the others use "
+                                     "none)")
+    loss_scale_window: int = setting(1000, "fp16: clean steps before the loss scale doubles")
+    grad_reduce_dtype: str = setting("fp32", "bf16/fp16: sum gradients over dp in fp32 (4 bytes an element) or in "
+                                             "the parameters' format (param: 2 bytes)", choices=GRAD_REDUCE_DTYPES)
+    optimizer: str = setting("adamw", "muon: Newton-Schulz-orthogonalised momentum for the blocks' matrices, AdamW "
+                                      "for the rest", choices=OPTIMIZERS)       # muon/muon.py
+    muon_lr: float = setting(0.0, "Muon's peak learning rate (0: --lr)")   # scaled to AdamW's RMS
+    muon_momentum: float = setting(0.95)
 
     def __post_init__(self):
         # A checkpoint's JSON gives a list back; a tuple keeps the config hashable.
         object.__setattr__(self, "rampup_batch_size", tuple(self.rampup_batch_size or ()))
 
     def validate(self) -> "TrainConfig":
-        _positive(self, "micro_batch_size", "max_iters", "eval_interval", "eval_iters", "log_interval", "keep_checkpoints")
-        _non_negative(self, "global_batch_size", "warmup_iters", "lr_decay_iters", "save_interval", "seed")
-        _finite(self, "lr", "min_lr", "weight_decay", "grad_clip", "beta1", "beta2", "eps")
-        _non_negative(self, "weight_decay", "grad_clip", "min_lr")
-        _positive(self, "lr", "eps")
+        positive(self, "micro_batch_size", "max_iters", "eval_interval", "eval_iters", "log_interval", "keep_checkpoints")
+        non_negative(self, "global_batch_size", "warmup_iters", "lr_decay_iters", "save_interval", "seed")
+        finite(self, "lr", "min_lr", "weight_decay", "grad_clip", "beta1", "beta2", "eps")
+        non_negative(self, "weight_decay", "grad_clip", "min_lr")
+        positive(self, "lr", "eps")
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise UserError(f"{name} must lie in [0, 1), got {getattr(self, name)}")
         if self.optimizer not in OPTIMIZERS:
             raise UserError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
-        _finite(self, "muon_lr", "muon_momentum")
-        _non_negative(self, "muon_lr")
+        finite(self, "muon_lr", "muon_momentum")
+        non_negative(self, "muon_lr")
         if self.optimizer != "muon" and (self.muon_lr, self.muon_momentum) != (0.0, TrainConfig.muon_momentum):
             raise UserError(f"--muon-lr and --muon-momentum set Muon, and this run uses --optimizer {self.optimizer}")
         if not 0 <= self.muon_momentum < 1:
@@ -251,36 +277,6 @@ class TrainConfig:
 def _ramp(cfg: "TrainConfig", data_parallel: int) -> Ramp:
     """The ramp's stages, worked out as far as asked (rampup.py): never one per iteration."""
     return Ramp(*cfg.rampup_batch_size, cfg.global_batch(data_parallel))
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _integers(cfg, *names, label=_flag):
-    for name in names:
-        value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise UserError(f"{label(name)} must be an integer, got {value!r} ({type(value).__name__})")
-
-
-def _finite(cfg, *names, label=_flag):
-    for name in names:
-        value = getattr(cfg, name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-            raise UserError(f"{label(name)} must be a finite number, got {value!r}")
-
-
-def _positive(cfg, *names, label=_flag):
-    for name in names:
-        if not getattr(cfg, name) > 0:
-            raise UserError(f"{label(name)} must be positive, got {getattr(cfg, name)}")
-
-
-def _non_negative(cfg, *names, label=_flag):
-    for name in names:
-        if getattr(cfg, name) < 0:
-            raise UserError(f"{label(name)} must not be negative, got {getattr(cfg, name)}")
 
 
 def to_dict(cfg) -> dict:

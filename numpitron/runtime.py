@@ -4,7 +4,8 @@ Imports nothing heavy, so entry points can call it first thing.
 
 * One BLAS thread per process: several ranks share the cores, and two ranks that
   each run BLAS on two threads collapse to a fraction of one thread's speed.
-  `--blas-threads N` or an already-set OPENBLAS_NUM_THREADS/OMP_NUM_THREADS wins.
+  `--blas-threads N` (on the command line or in its --config file) or an already-set
+  OPENBLAS_NUM_THREADS/OMP_NUM_THREADS wins.
 * When a host runs more ranks than it has cores, MPICH ranks waiting in MPI spin
   a whole core and starve the ones doing work; MPIR_CVAR_ENABLE_HEAVY_YIELD makes
   them yield instead. It slows small collectives, so it is only set when
@@ -14,38 +15,46 @@ Imports nothing heavy, so entry points can call it first thing.
   page-faulted in again by the next step, in the kernel (the speed appendix of docs/).
 """
 
+import argparse
 import ctypes
 import ctypes.util
 import os
+
+from numpitron.config_fields import parsed_toml       # the standard library only, as errors.py: safe before NumPy
+from numpitron.errors import UserError
 
 BLAS_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 YIELD_VAR = "MPIR_CVAR_ENABLE_HEAVY_YIELD"
 
 
 def blas_threads_from_argv(argv: list[str]) -> str | None:
-    for i, arg in enumerate(argv):
-        if arg == "--blas-threads" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--blas-threads="):
-            return arg.split("=", 1)[1]
-    return _blas_threads_in_config(argv)
+    """--blas-threads from the command line, else [mesh] blas_threads of its --config
+    file. The file is read by the argument parser's own reader (config_fields.py), which
+    keeps what it parsed for the parser. None when neither sets it, or when the command
+    line or the file cannot be read: the parser reports that, in one line."""
+    try:
+        given = prescan(argv, "--blas-threads", "--config")
+        if given.blas_threads is not None or given.config is None:
+            return given.blas_threads
+        mesh = parsed_toml(given.config).get("mesh")
+    except UserError:
+        return None
+    value = mesh.get("blas_threads") if isinstance(mesh, dict) else None
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _blas_threads_in_config(argv: list[str]) -> str | None:
-    """[mesh] blas_threads of a --config file (config_file.py); a file that cannot be
-    read is left for the argument parser to report."""
-    for i, arg in enumerate(argv):
-        path = argv[i + 1] if arg == "--config" and i + 1 < len(argv) else (
-            arg.split("=", 1)[1] if arg.startswith("--config=") else None)
-        if path is not None:
-            try:
-                import tomllib
-                with open(path, "rb") as f:
-                    value = tomllib.load(f).get("mesh", {}).get("blas_threads")
-            except Exception:           # missing file, bad TOML, old Python: the parser says which
-                return None
-            return str(value) if isinstance(value, int) and not isinstance(value, bool) else None
-    return None
+def prescan(argv, *options: str) -> argparse.Namespace:
+    """These options' values in a command line (None when absent), read before the real
+    parse: --blas-threads and --config here, --config for the argument parser (cli.py)."""
+    parser = _Prescan(add_help=False)
+    for option in options:
+        parser.add_argument(option)
+    return parser.parse_known_args(argv)[0]
+
+
+class _Prescan(argparse.ArgumentParser):
+    def error(self, message):                   # e.g. --config without its file: one line, not an exit
+        raise UserError(message)
 
 
 def ranks_on_this_host() -> int:

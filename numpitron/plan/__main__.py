@@ -12,9 +12,12 @@ give, from the same checks.
 """
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from numpitron.cli import configs_from_args, training_parser
+from numpitron.config import ModelConfig
+from numpitron.config_fields import setting
 from numpitron.layout import check_layout
 from numpitron.pipeline_parallel.placement import StagePlacement
 from numpitron.distributed.topology import resolve_mesh
@@ -27,15 +30,21 @@ from numpitron.pipeline_parallel.schedules import placement_of
 from numpitron.plan.predict import plan
 
 
+@dataclass(frozen=True)
+class PlanningFlags:
+    SECTION: ClassVar[str] = "planning"     # the --help group and the section of a --config file
+
+    vocab_size: int = setting(ModelConfig.vocab_size, "65: Tiny Shakespeare's characters")
+    device: str = setting("this-machine", "a profile's name (this-machine, a100-80gb-node, h100-80gb-node) or a "
+                                          "path to a .json profile")
+    json: bool = setting(False, "print one JSON object")
+    search: bool = setting(False, "rank every layout of --devices devices")
+    devices: int | None = setting(None, "world size (default: the mesh flags' product)")
+
+
 def parser():
     p = training_parser("Plan a run: memory, communication, FLOPs and time per rank.")
-    g = p.add_argument_group("planning")
-    g.add_argument("--vocab-size", type=int, default=65, help="65: Tiny Shakespeare's characters")
-    g.add_argument("--device", default="this-machine",
-                   help="a profile's name (this-machine, a100-80gb-node, h100-80gb-node) or a path to a .json profile")
-    g.add_argument("--json", action="store_true", help="print one JSON object")
-    g.add_argument("--search", action="store_true", help="rank every layout of --devices devices")
-    g.add_argument("--devices", type=int, default=None, help="world size (default: the mesh flags' product)")
+    p.add_settings(PlanningFlags)
     return p
 
 
