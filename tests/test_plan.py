@@ -5,7 +5,8 @@ and the peak activation bytes of the schedule, on every layout below."""
 import pytest
 
 from numpitron.optim.memory_report import memory_bytes
-from numpitron.plan.accounting import Rank, comm_bytes, comm_calls, state_bytes
+from numpitron.plan.accounting import Rank, state_bytes
+from numpitron.plan.traffic import comm_bytes, comm_calls
 from numpitron.plan.activations import peak_activation_bytes
 from tests.harness import TINY, assert_on_every_rank, make_trainer, tiny_model, tiny_tokens, tiny_train
 

@@ -18,14 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
+from numpitron.checkpoint.fresh import few, serial_model, write_fresh_checkpoint
 from numpitron.checkpoint.load import manifest_model_config, open_reader
 from numpitron.checkpoint.manifest import LATEST_NAME, MANIFEST_NAME, TMP_PREFIX, iter_dirs, iteration_of, read_manifest
-from numpitron.checkpoint.save import write_serial_checkpoint
-from numpitron.checkpoint.sharded import cut_range
-from numpitron.config import ModelConfig, ParallelConfig, from_dict, to_dict
-from numpitron.distributed.gather import saved_params
+from numpitron.config import ModelConfig, from_dict
 from numpitron.errors import UserError
-from numpitron.memory import check_model_fits
 
 CONFIG_KEY = "__model_config__"
 
@@ -44,7 +41,7 @@ def export_npz(checkpoint_dir, out_file, overwrite: bool = False) -> Path:
     missing, extra = sorted(expected.keys() - held), sorted(held - expected.keys())
     if missing or extra:
         raise UserError(f"corrupt checkpoint {checkpoint_dir}: its tensors do not match its model config: missing "
-                        f"{_few(missing)}, unexpected {_few(extra)}")
+                        f"{few(missing)}, unexpected {few(extra)}")
     arrays = {name: np.asarray(reader.getter("params", np.dtype(model_cfg.dtype))(name, shape))
               for name, shape in expected.items()}
     arrays[CONFIG_KEY] = np.array(json.dumps(manifest["model_config"]))
@@ -78,18 +75,6 @@ def check_output_file(out_file: Path, overwrite: bool) -> None:
         raise UserError(f"{out_file} exists; pass --force to replace it")
 
 
-def serial_model(model_cfg, what: str, twice: bool = False):
-    """(the one-process model of `model_cfg`, {name: logical shape} of every tensor its
-    checkpoint holds), after checking that it fits in memory (`twice`: with a second
-    copy of its parameters beside it). It communicates with nobody."""
-    from numpitron.distributed.topology import Topology
-    from numpitron.build import build_stage
-    topo = Topology.serial()
-    check_model_fits(model_cfg, topo, parameter_copies=int(twice), what=what)
-    model = build_stage(model_cfg, topo)
-    return model, {p.name: p.logical_shape for store in model.stores for p in saved_params(model, store)}
-
-
 def import_npz(npz_file, root) -> Path:
     """A fresh checkpoint (iteration 0, zero Adam state) in ROOT from an archive;
     ROOT/latest then points at it. Returns the checkpoint directory. ROOT must hold no
@@ -104,8 +89,8 @@ def import_npz(npz_file, root) -> Path:
         model, expected = serial_model(model_cfg, f"importing {npz_file}", twice=True)
         missing, extra = sorted(expected.keys() - headers.keys()), sorted(headers.keys() - expected.keys())
         if missing or extra:
-            raise UserError(f"{npz_file} does not match its model config: missing {_few(missing)}, "
-                            f"unexpected {_few(extra)}")
+            raise UserError(f"{npz_file} does not match its model config: missing {few(missing)}, "
+                            f"unexpected {few(extra)}")
         for name, shape in expected.items():
             found_shape, found_dtype = headers[name]
             if found_shape != shape or found_dtype.kind != "f":
@@ -116,43 +101,6 @@ def import_npz(npz_file, root) -> Path:
         if not np.all(np.isfinite(array)):
             raise UserError(f"{npz_file}: {name} holds NaN or infinite values; a model to train must not")
     return write_fresh_checkpoint(root, model_cfg, arrays, str(npz_file), model)
-
-
-def write_fresh_checkpoint(root: Path, model_cfg, arrays: dict, imported_from: str, model=None, **fields) -> Path:
-    """A checkpoint at iteration 0 with zero Adam state in ROOT, holding `arrays` (full
-    logical tensors by name, already checked against the model); ROOT/latest then points
-    at it. `fields` adds to its manifest (the tokenizer, for one). Both imports end here."""
-    model = model or serial_model(model_cfg, f"importing {imported_from}")[0]
-    sources = []
-    for store in model.stores:
-        params = cut_range(store, 0, store.size, lambda name, shape: arrays[name].astype(store.dtype))
-        zeros = np.zeros(store.size, store.dtype)
-        sources.append((store, saved_params(model, store), 0, {"params": params, "adam_m": zeros, "adam_v": zeros}))
-    fields = {
-        "model_config": to_dict(model_cfg),
-        "parallel_config": to_dict(ParallelConfig()),
-        "mesh": None,                   # not written by a training run
-        "train_config": None,           # unknown: an import has weights only
-        "iteration": 0,
-        "adam_step": 0,
-        "best_val_loss": None,
-        "seed": None,
-        "data_state": {"sampler": "seeded-per-iteration", "seed": None, "next_iteration": 0},
-        "imported_from": imported_from,
-        **fields,
-    }
-    try:
-        return write_serial_checkpoint(root, 0, fields, sources)
-    except OSError as error:
-        raise UserError(f"cannot write a checkpoint in {root}: {error.strerror or error}") from None
-
-
-def _few(names: list[str], shown: int = 3) -> str:
-    """A short list for a one-line message."""
-    if not names:
-        return "none"
-    more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return ", ".join(names[:shown]) + more
 
 
 def _open_archive(npz_file: Path):

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from numpitron.checkpoint.convert import _few, write_fresh_checkpoint
+from numpitron.checkpoint.fresh import few, write_fresh_checkpoint
 from numpitron.checkpoint.load import open_reader
 from numpitron.checkpoint.manifest import LATEST_NAME, MANIFEST_NAME, TMP_PREFIX, iter_dirs, iteration_of, read_manifest
 from numpitron.config import DTYPES, ModelConfig, from_dict
@@ -222,7 +222,7 @@ def _check_names(origin: Path, tensors: dict, expected: dict) -> None:
         tensors.pop(name)
     missing, extra = sorted(expected.keys() - tensors.keys()), sorted(tensors.keys() - expected.keys())
     if missing or extra:
-        raise UserError(f"{origin} is not GPT-2 of its config.json: missing {_few(missing)}, unexpected {_few(extra)}")
+        raise UserError(f"{origin} is not GPT-2 of its config.json: missing {few(missing)}, unexpected {few(extra)}")
 
 
 def _read_safetensors(path: Path) -> dict:

@@ -49,8 +49,8 @@ Each choice is an estimate, stated so that its error can be read off.
 from numpitron.distributed.sharding import pad_to_multiple
 from numpitron.pipeline_parallel.schedules import placement_of
 from numpitron.pipeline_parallel.timeline import ideal_bubble
-from numpitron.plan.accounting import (Rank, comm_bytes, comm_calls, gradient_buckets, parameter_elements,
-                                       state_bytes)
+from numpitron.plan.accounting import Rank, parameter_elements, state_bytes
+from numpitron.plan.traffic import comm_bytes, comm_calls, gradient_buckets
 from numpitron.plan.activations import peak_activation_bytes
 from numpitron.plan.experts import moe_block_work, moe_flops_delta
 from numpitron.plan.flops import hardware_flops, model_flops

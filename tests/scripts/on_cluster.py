@@ -55,7 +55,8 @@ def measured_step(mesh_json: str):
     """(trainer, this host's link counters' change over one step, the planner's bytes for
     this rank): the step after a first one, which sets up the connections."""
     from mpi4py import MPI
-    from numpitron.plan.accounting import Rank, comm_bytes
+    from numpitron.plan.accounting import Rank
+    from numpitron.plan.traffic import comm_bytes
     from tests.harness import make_trainer, tiny_tokens
     trainer, tokens, world = make_trainer(**json.loads(mesh_json)), tiny_tokens(), MPI.COMM_WORLD
     trainer.train_step(tokens)               # connections are set up during the first step
