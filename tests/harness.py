@@ -145,8 +145,14 @@ def assert_close_on_every_rank(diffs: dict, rtol: float) -> None:
     assert max(worst.values(), default=0.0) <= rtol, worst
 
 
+def gathered(comm, value) -> list:
+    """`value` from every rank of a group, in its order; a group of this rank alone has
+    no MPI communicator (distributed/topology.py), so the list is [value]."""
+    return [value] if comm.mpi is None else comm.mpi.allgather(value)
+
+
 def identical_over(comm, array) -> bool:
-    copies = comm.mpi.allgather(array)
+    copies = gathered(comm, array)
     return all(np.array_equal(c, copies[0]) for c in copies)
 
 

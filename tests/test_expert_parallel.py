@@ -11,7 +11,7 @@ import pytest
 from numpitron.checkpoint import load_checkpoint, save_checkpoint
 from numpitron.distributed.topology import Topology
 from numpitron.experts.moe import MixtureOfExperts
-from tests.harness import (TINY_FLAGS, assert_on_every_rank, check_mesh, error_lines, identical_over, logged_losses,
+from tests.harness import (TINY_FLAGS, assert_on_every_rank, gathered, check_mesh, error_lines, identical_over, logged_losses,
                            make_store, make_trainer, moe_layer_traffic, rand_x, run_script, tiny_model, tiny_train,
                            train_steps)
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
@@ -57,9 +57,9 @@ def test_four_ranks_match_serial(case):
     trainer = check_moe_mesh(case[0], **case[1])
     topo = trainer.topo
     # the ep group is ep consecutive dp ranks; expert_dp the dp ranks holding the same experts
-    assert_on_every_rank({"ep": (topo.ep_comm.mpi.allgather(topo.dp_rank),
+    assert_on_every_rank({"ep": (gathered(topo.ep_comm, topo.dp_rank),
                                  [topo.dp_rank // topo.ep * topo.ep + e for e in range(topo.ep)]),
-                          "expert_dp": (topo.expert_dp_comm.mpi.allgather(topo.dp_rank),
+                          "expert_dp": (gathered(topo.expert_dp_comm, topo.dp_rank),
                                         list(range(topo.ep_rank, topo.dp, topo.ep))),
                           "experts identical over expert_dp": identical_over(topo.expert_dp_comm,
                                                                            trainer.model.expert_store.data)})

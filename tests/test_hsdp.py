@@ -17,7 +17,7 @@ from numpitron.distributed.topology import Topology, resolve_mesh
 from numpitron.errors import UserError
 from numpitron.layout import check_layout
 from numpitron.optim.memory_report import memory_bytes
-from tests.harness import (SMALLER, assert_on_every_rank, check_mesh, make_trainer, tiny_model, tiny_tokens,
+from tests.harness import (SMALLER, assert_on_every_rank, gathered, check_mesh, make_trainer, tiny_model, tiny_tokens,
                            tiny_train, train_steps)
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
@@ -25,7 +25,7 @@ F64 = 8
 
 
 def members(comm):
-    return comm.mpi.allgather(MPI.COMM_WORLD.Get_rank())
+    return gathered(comm, MPI.COMM_WORLD.Get_rank())
 
 
 def second_step_bytes(trainer, tokens) -> dict:

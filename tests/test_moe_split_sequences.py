@@ -13,7 +13,7 @@ from numpitron.checkpoint import load_checkpoint, save_checkpoint
 from numpitron.distributed.topology import Topology
 from numpitron.context_parallel.zigzag import local_positions
 from numpitron.experts.moe import MixtureOfExperts
-from tests.harness import (assert_on_every_rank, check_mesh, identical_over, make_store, make_trainer, mesh_id,
+from tests.harness import (assert_on_every_rank, gathered, check_mesh, identical_over, make_store, make_trainer, mesh_id,
                            moe_layer_traffic, rand_x, tiny_model, tiny_train, train_steps)
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
@@ -54,7 +54,7 @@ def check_split(mesh: dict, model: dict):
         "bias identical on every rank": identical_over(topo.world, trainer.model.experts.bias),
         "experts identical over expert_dp": identical_over(topo.expert_dp_comm, trainer.model.expert_store.data),
         # the ep group: ep consecutive ranks of dp x cp (dp_cp_rank = dp_rank * cp + cp_rank)
-        "ep": (topo.ep_comm.mpi.allgather(topo.dp_cp_rank),
+        "ep": (gathered(topo.ep_comm, topo.dp_cp_rank),
                [topo.dp_cp_rank // topo.ep * topo.ep + e for e in range(topo.ep)]),
     })
     return trainer

@@ -23,7 +23,7 @@ from numpitron.tensor_parallel.linear import ColumnParallelLinear, RowParallelLi
 from numpitron.nn.mlp import ParallelMLP
 from numpitron.nn.param import pad_to_full
 from numpitron.nn.param_store import ParamStore
-from tests.harness import assert_close_on_every_rank, assert_on_every_rank
+from tests.harness import assert_close_on_every_rank, assert_on_every_rank, gathered
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
 B, T, C, H, V = 2, 5, 8, 4, 65      # vocab 65 pads to 66 (tp=2) and 68 (tp=4)
@@ -47,7 +47,7 @@ def gather_tp(local, axis, topo):
     """The full tensor: every tp rank's slice concatenated along `axis`."""
     if axis is None:
         return local
-    return np.concatenate(topo.tp_comm.mpi.allgather(np.ascontiguousarray(local)), axis=axis)
+    return np.concatenate(gathered(topo.tp_comm, np.ascontiguousarray(local)), axis=axis)
 
 
 def grad_diffs(params, serial_params, topo):
@@ -207,7 +207,7 @@ def test_gpt_stage_init_and_replicated_grads():
     replicated = [p for p in model.parameters() if p.split_axis is None]
     assert {p.name.split(".")[-2] for p in replicated} >= {"ln1", "ln2", "proj", "position"}
     for p in replicated:
-        copies = topo.tp_comm.mpi.allgather(p.grad)
+        copies = gathered(topo.tp_comm, p.grad)
         flags[f"identical {p.name}"] = all(np.array_equal(c, copies[0]) for c in copies)
         flags[f"nonzero {p.name}"] = bool(np.any(p.grad != 0))
     agree_and_assert(diffs, flags)

@@ -15,9 +15,10 @@ import pytest
 from mpi4py import MPI
 
 from numpitron.distributed.comm import Comm, CommStats
+from numpitron.distributed.groups import GROUPS, axis_sizes, partition
 from numpitron.distributed.topology import Topology, resolve_mesh
 from numpitron.errors import UserError
-from tests.harness import assert_on_every_rank
+from tests.harness import assert_on_every_rank, gathered
 
 
 
@@ -69,7 +70,7 @@ def test_resolve_mesh_rejects_mismatches(world, tp, pp, dp, message):
 
 
 def members(comm):
-    return comm.mpi.allgather(MPI.COMM_WORLD.Get_rank())
+    return gathered(comm, MPI.COMM_WORLD.Get_rank())
 
 
 @pytest.mark.parallel(nprocs=8)
@@ -234,3 +235,45 @@ def test_a_started_collective_keeps_the_buffers_it_was_given_until_waited_for():
         comm.wait(pending)
         flags[f"all_gather {wire}: values"] = bool(np.all(whole == np.repeat([1.0, 2.0], n)))
     assert_on_every_rank(flags)
+
+
+def test_every_group_of_the_table_partitions_the_world_as_the_rank_formula_says():
+    """distributed/groups.py: each group's ranks, from the table of axes, are the ranks
+    that share every coordinate but the group's own (pp 2, dp 4, cp 2, tp 2; S = 2,
+    U = 2, ep = 4), checked against the rank formula, without MPI."""
+    tp, pp, dp, cp, ep, U, S = 2, 2, 4, 2, 4, 2, 2
+    sizes = axis_sizes(tp, pp, dp, cp, ep, U, S)
+    at = lambda s, d, c, t: ((s * dp + d) * cp + c) * tp + t          # noqa: E731
+    coords = {at(s, d, c, t): (s, d, c, t) for s in range(pp) for d in range(dp) for c in range(cp) for t in range(tp)}
+    same = {  # what the members of one group share
+        "tp": lambda s, d, c, t: (s, d, c), "cp": lambda s, d, c, t: (s, d, t), "dp": lambda s, d, c, t: (s, c, t),
+        "dp_cp": lambda s, d, c, t: (s, t), "pp": lambda s, d, c, t: (d, c, t), "model": lambda s, d, c, t: (d, c),
+        "cp_ulysses": lambda s, d, c, t: (s, d, c // U, t), "cp_ring": lambda s, d, c, t: (s, d, c % U, t),
+        "ep": lambda s, d, c, t: (s, (d * cp + c) // ep, t), "expert_dp": lambda s, d, c, t: (s, (d * cp + c) % ep, t),
+        "expert_model": lambda s, d, c, t: ((d * cp + c) // ep,), "dp_shard": lambda s, d, c, t: (s, d // S, t),
+        "dp_replica": lambda s, d, c, t: (s, d % S, c, t), "dp_shard_model": lambda s, d, c, t: (d // S,),
+        "expert_dp_shard": lambda s, d, c, t: (s, d // S, (d * cp + c) % ep, t)}
+    assert set(same) == set(GROUPS)
+    for name, shared in same.items():
+        rows = partition(name, sizes)
+        expected = {}
+        for rank, c in sorted(coords.items()):
+            expected.setdefault(shared(*c), []).append(rank)
+        assert sorted(map(list, rows)) == sorted(expected.values()), name
+
+
+@pytest.mark.parallel(nprocs=4)
+def test_a_feature_that_is_off_makes_no_communicator_of_its_own():
+    """dp = 4 alone: the groups of features that are off hold one rank (no MPI
+    communicator) or the same ranks as a group made already (its communicator); with
+    hybrid sharding (S = 2) and ep = 2 their own groups appear."""
+    plain = Topology.from_world(data=4)
+    hybrid = Topology.from_world(data=4, data_shard=2, expert=2)
+    assert_on_every_rank({
+        "off: alone": [c.mpi is None for c in (plain.ep_comm, plain.cp_ulysses_comm, plain.dp_replica_comm,
+                                                plain.tp_comm, plain.pp_comm, plain.embedding_comm)] == [True] * 6,
+        "off: shared": [plain.dp_shard_comm.mpi is plain.dp_cp_comm.mpi, plain.expert_dp_comm.mpi is plain.dp_cp_comm.mpi,
+                        plain.dp_comm.mpi is plain.dp_cp_comm.mpi] == [True] * 3,
+        "on: their own": (members(hybrid.dp_shard_comm), members(hybrid.dp_replica_comm), members(hybrid.ep_comm))
+        == ([r - r % 2, r - r % 2 + 1], [r % 2, r % 2 + 2], [r - r % 2, r - r % 2 + 1])
+        if (r := MPI.COMM_WORLD.Get_rank()) is not None else False})

@@ -32,12 +32,15 @@ the copies of a slice in the other replicas are dense state's dp_replica group.
 import socket
 from typing import NamedTuple
 
+import numpy as np
+
 from numpitron.distributed.comm import Comm, CommStats
+from numpitron.distributed.groups import GROUPS, axis_sizes, partition
 from numpitron.distributed.watchdog import Watchdog
 from numpitron.errors import UserError
 
-GROUPS = ("tp", "cp", "cp_ulysses", "cp_ring", "dp", "dp_cp", "pp", "model", "embedding", "ep", "expert_dp",
-          "expert_model", "dp_shard", "dp_replica", "dp_shard_model", "expert_dp_shard")
+# Ulysses' two groups count their bytes under the group they split.
+COUNTED_AS = {"cp_ulysses": "cp", "cp_ring": "cp"}
 
 
 class Mesh(NamedTuple):
@@ -78,23 +81,11 @@ def resolve_mesh(world_size: int, tensor: int, pipeline: int, data: int | None, 
 
 
 class Topology:
-    """Coordinates of this rank and the communicators of its groups.
-
-    Groups: tp (same stage, data replica and sequence part), cp (the ranks that share
-    one sequence: same stage, data replica and tp slice), dp (same stage, sequence part
-    and tp slice), dp_cp (dp and cp together: every rank whose gradients are averaged
-    into this one's, Megatron's data-parallel group "with context parallelism"), pp
-    (one pipeline), model (tp x pp: one full model replica, for the gradient norm),
-    embedding (first and last stage: the tied embedding). Experts: ep (ep consecutive dp x cp
-    ranks, which split the experts and exchange tokens), expert_dp (the dp x cp ranks
-    holding the same experts), expert_model (tp x pp x ep: one whole copy of every expert, for
-    the gradient norm). Inside cp: cp_ulysses (U consecutive cp ranks) and cp_ring (the
-    cp / U ranks at the same place of their Ulysses groups); both count their bytes
-    under "cp". Hybrid sharding: dp_shard (the cp x S ranks of one replica, which ZeRO
-    shards over), dp_replica (the dp / S ranks holding the same shard, which average
-    it), dp_shard_model (dp_shard x model: one copy of every shard, for the norm),
-    expert_dp_shard (the S / ep expert_dp ranks of one replica, which shard an expert's
-    state; its copies sit in dp_replica as the dense state's do).
+    """Coordinates of this rank and a communicator for each group of the table in
+    distributed/groups.py (`tp_comm`, `cp_comm`, ..., `expert_dp_shard_comm`), plus
+    `embedding_comm`: the first and the last stage, which hold the tied embedding. A
+    group of this rank alone has no MPI communicator, and every collective on it is a
+    no-op, so one process runs the code a mesh runs.
     """
 
     def __init__(self, world, tp: int, pp: int, dp: int, stats: CommStats | None = None, cp: int = 1, ep: int = 1,
@@ -122,12 +113,12 @@ class Topology:
         # group whose ranks sit on several hosts crosses the network (docs/15-many-hosts.md).
         self.hostnames = [socket.gethostname()] if world is None else world.allgather(socket.gethostname())
         if world is None:
-            for name in GROUPS:
-                setattr(self, f"{name}_comm", Comm(None, self.stats, name))
+            for name in (*GROUPS, "embedding"):
+                setattr(self, f"{name}_comm", Comm(None, self.stats, COUNTED_AS.get(name, name)))
         else:
             self._check_shard_placement()
             self._split(world)
-        for comm in [self.world] + [getattr(self, f"{name}_comm") for name in GROUPS]:
+        for comm in [self.world, self.embedding_comm] + [getattr(self, f"{name}_comm") for name in GROUPS]:
             comm.watchdog = self.watchdog
 
     @property
@@ -135,40 +126,33 @@ class Topology:
         return self.dp * self.cp
 
     def _split(self, world) -> None:
-        # Every rank makes the same Split calls in the same order; a rank outside a
-        # group (embedding group on a middle stage) passes UNDEFINED and gets None.
-        # A color names the coordinates the group's members share.
+        """A communicator for every group of the table (distributed/groups.py) that holds
+        more than this rank, made once: a group with the same ranks as one made before
+        (hybrid sharding off: dp_shard is dp_cp; no Ulysses: cp_ring is cp) shares its
+        communicator. Every rank decides alike from the sizes alone, so every rank makes
+        the same Split calls in the same order."""
+        sizes = axis_sizes(self.tp, self.pp, self.dp, self.cp, self.ep, self.ulysses, self.dp_shard)
+        made = {}
+        for name in GROUPS:
+            groups = partition(name, sizes)
+            key = (groups.shape, groups.tobytes())
+            if groups.shape[1] > 1 and key not in made:
+                row, place = np.argwhere(groups == self.rank)[0]
+                made[key] = world.Split(int(row), int(place))
+            setattr(self, f"{name}_comm", Comm(made.get(key), self.stats, COUNTED_AS.get(name, name)))
+        self.embedding_comm = self._embedding(world, made.get((partition("pp", sizes).shape,
+                                                               partition("pp", sizes).tobytes())))
+
+    def _embedding(self, world, pp_comm) -> Comm:
+        """The first and the last stage, which hold the two copies of the token embedding:
+        no one else with one stage, the pipeline itself with two; others pass UNDEFINED."""
+        if self.pp <= 2:
+            return Comm(pp_comm, self.stats, "embedding")
         from mpi4py import MPI
-        pp_rank, dp_rank, cp_rank, tp_rank = self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank
-        dp, cp, tp, ulysses = self.dp, self.cp, self.tp, self.ulysses
-        self.tp_comm = Comm(world.Split((pp_rank * dp + dp_rank) * cp + cp_rank, tp_rank), self.stats, "tp")
-        cp_group = (pp_rank * dp + dp_rank) * tp + tp_rank             # which cp group this rank is in
-        self.cp_comm = Comm(world.Split(cp_group, cp_rank), self.stats, "cp")
-        ulysses_group, place = divmod(cp_rank, ulysses)               # its Ulysses group, its place in it
-        self.cp_ulysses_comm = Comm(world.Split(cp_group * (cp // ulysses) + ulysses_group, place), self.stats, "cp")
-        self.cp_ring_comm = Comm(world.Split(cp_group * ulysses + place, ulysses_group), self.stats, "cp")
-        self.dp_comm = Comm(world.Split((pp_rank * cp + cp_rank) * tp + tp_rank, dp_rank), self.stats, "dp")
-        self.dp_cp_comm = Comm(world.Split(pp_rank * tp + tp_rank, self.dp_cp_rank), self.stats, "dp_cp")
-        self.pp_comm = Comm(world.Split((dp_rank * cp + cp_rank) * tp + tp_rank, pp_rank), self.stats, "pp")
-        self.model_comm = Comm(world.Split(dp_rank * cp + cp_rank, self.rank), self.stats, "model")
         on_ends = self.is_first_stage or self.is_last_stage
-        color = (dp_rank * cp + cp_rank) * tp + tp_rank if on_ends else MPI.UNDEFINED
-        emb = world.Split(color, pp_rank)
-        self.embedding_comm = Comm(emb if on_ends else None, self.stats, "embedding")
-        ep, ep_rank, expert_dp_rank = self.ep, self.ep_rank, self.expert_dp_rank
-        self.ep_comm = Comm(world.Split((pp_rank * (dp * cp // ep) + expert_dp_rank) * tp + tp_rank, ep_rank),
-                            self.stats, "ep")
-        self.expert_dp_comm = Comm(world.Split((pp_rank * ep + ep_rank) * tp + tp_rank, expert_dp_rank),
-                                   self.stats, "expert_dp")
-        self.expert_model_comm = Comm(world.Split(expert_dp_rank, self.rank), self.stats, "expert_model")
-        S, replica, replicas = self.dp_shard, self.dp_replica_rank, self.dp_replicas
-        self.dp_shard_comm = Comm(world.Split((pp_rank * replicas + replica) * tp + tp_rank, self.dp_shard_rank),
-                                  self.stats, "dp_shard")
-        self.dp_replica_comm = Comm(world.Split(((pp_rank * S + dp_rank % S) * cp + cp_rank) * tp + tp_rank, replica),
-                                    self.stats, "dp_replica")
-        self.dp_shard_model_comm = Comm(world.Split(replica, self.rank), self.stats, "dp_shard_model")
-        self.expert_dp_shard_comm = Comm(world.Split(((pp_rank * replicas + replica) * ep + ep_rank) * tp + tp_rank,
-                                                     self.expert_dp_shard_rank), self.stats, "expert_dp_shard")
+        color = (self.dp_rank * self.cp + self.cp_rank) * self.tp + self.tp_rank if on_ends else MPI.UNDEFINED
+        ends = world.Split(color, self.pp_rank)
+        return Comm(ends if on_ends else None, self.stats, "embedding")
 
     @classmethod
     def serial(cls) -> "Topology":
