@@ -133,7 +133,7 @@ def flops_per_token(cfg: ModelConfig) -> tuple[int, int]:
     return n, 6 * n + 12 * L * C * T
 
 
-def build_trainer(args):
+def trainer_from_args(args):
     model_cfg, parallel_cfg, train_cfg, topo = setup_training(args)
     model_cfg = replace(model_cfg, vocab_size=VOCAB)
     train_cfg = replace(train_cfg, max_iters=args.warmup + args.iters, warmup_iters=0)
@@ -180,7 +180,7 @@ def main():
     gflops_large = sgemm_gflops(1024, 1024, 1024, np.dtype(args.dtype), reps=20)
     gemm = world.gather((gflops_small, gflops_large), root=0)
 
-    trainer = build_trainer(args)
+    trainer = trainer_from_args(args)
     topo = trainer.topo
     # Same seed on every rank: every rank must see the same token stream.
     tokens = np.random.default_rng(0).integers(0, VOCAB, N_TOKENS).astype(np.uint16)

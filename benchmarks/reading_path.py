@@ -85,6 +85,6 @@ if __name__ == "__main__":
         for path, n in sorted(files.items(), key=lambda item: -item[1]):
             print(f"  {n:5d} {path.relative_to(REPO)}")
     else:
-        print(f"| what a learner reads | starts at | files | lines | cap |\n| --- | --- | ---: | ---: | ---: |")
+        print("| what a learner reads | starts at | files | lines | cap |\n| --- | --- | ---: | ---: | ---: |")
         for idea, starts, n_files, n_lines, cap in table():
             print(f"| {idea} | {', '.join(f'`{s}`' for s in starts)} | {n_files} | {n_lines:,} | {cap:,} |")

@@ -52,7 +52,7 @@ def tp_seconds(stats) -> float:
 def main():
     args = benchmark.parse_args()
     world = MPI.COMM_WORLD
-    trainer = benchmark.build_trainer(args)
+    trainer = benchmark.trainer_from_args(args)
     region, stats = trainer.model.region, trainer.topo.stats
     exposed = {"s": 0.0, "cover": 0.0}
     instrument(region, exposed)
