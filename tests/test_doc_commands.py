@@ -6,7 +6,7 @@ hold commands this test knows how to shrink.
 Shrinking: training gets a tiny model and two iterations (later flags win in argparse, so
 they override the page's), a temporary --data-dir with the text and a temporary
 --out-dir (--overwrite unless the command resumes); sampling gets five new tokens from that
---out-dir; the planner runs as it is.
+--out-dir; the one-process GPT the same tiny model; the planner runs as it is.
 """
 
 import re
@@ -47,6 +47,8 @@ def shrink(command: str, data: Path, out: Path) -> list[str]:
     args = rest[1:]
     if args[:2] == ["-m", "numpitron.plan"]:
         return launcher + [sys.executable, *args]
+    if args[:2] == ["-m", "numpitron.reference"]:            # the one-process GPT: the same tiny model
+        return [sys.executable, *args, *TINY[:10], "--eval-iters", "1", "--max-iters", "2", "--data-dir", str(data)]
     script, args = args[0], args[1:]
     if script == "train_shakespeare.py":
         iters = "3" if "--resume" in args else "2"
