@@ -4,7 +4,7 @@ tp ranks (run with mpiexec -n 2): one Markdown table row per (sp, recompute).
     mpiexec -n 2 python benchmarks/activation_memory.py --seq-len 512 --micro-batch-size 4
 
 Bytes per block are measured (`cache_nbytes` of a block's real cache) and printed
-beside the formula of numpitron/nn/activation_memory.py; the step time is the median
+beside the formula of numpitron/transformer/activation_memory.py; the step time is the median
 of --iters training steps (float32, one BLAS thread per rank).
 """
 
@@ -23,7 +23,7 @@ from mpi4py import MPI  # noqa: E402
 
 from numpitron.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from numpitron.distributed.topology import Topology  # noqa: E402
-from numpitron.nn.activation_memory import block_activation_bytes  # noqa: E402
+from numpitron.transformer.activation_memory import block_activation_bytes  # noqa: E402
 from numpitron.nn.cache_bytes import cache_nbytes  # noqa: E402
 from numpitron.build import build_trainer  # noqa: E402
 

@@ -27,8 +27,8 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from numpitron.distributed.topology import Topology  # noqa: E402
-from numpitron.nn import attention as attention_module  # noqa: E402
-from numpitron.nn.attention import ParallelAttention  # noqa: E402
+from numpitron.transformer import attention as attention_module  # noqa: E402
+from numpitron.transformer.attention import ParallelAttention  # noqa: E402
 from numpitron.nn.cache_bytes import cache_nbytes  # noqa: E402
 from numpitron.nn.param_store import ParamStore  # noqa: E402
 from numpitron.context_parallel.zigzag import contiguous_chunks, zigzag_chunks  # noqa: E402

@@ -40,7 +40,7 @@ from numpitron.config import ModelConfig  # noqa: E402
 from numpitron.distributed.topology import Topology  # noqa: E402
 from numpitron.build import build_stage  # noqa: E402
 from numpitron.context_parallel import blockwise_attention  # noqa: E402
-from numpitron.nn.attention import ParallelAttention  # noqa: E402
+from numpitron.transformer.attention import ParallelAttention  # noqa: E402
 from numpitron.nn.functional import bias_gelu_forward, gelu_backward_, row_tiles, rows_per_tile  # noqa: E402
 from numpitron.nn.layernorm import LayerNorm  # noqa: E402
 from numpitron.nn.param_store import ParamStore  # noqa: E402

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 
 from numpitron.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from numpitron.distributed.topology import Topology  # noqa: E402
-from numpitron.nn.activation_memory import softmax_groups  # noqa: E402
+from numpitron.transformer.activation_memory import softmax_groups  # noqa: E402
 from numpitron.nn.functional import bias_gelu_forward, gelu_backward_, row_tiles, softmax_lastdim_with_lse_  # noqa: E402
 from numpitron.build import build_trainer  # noqa: E402
 

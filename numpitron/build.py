@@ -1,14 +1,20 @@
 """What the configurations describe, built: the stage (a `GPTStage` given its experts when
-it has them) and the trainer around it (the optimizers for the ZeRO stage, the number
-format, FP8, the experts' statistics). Every entry point builds here, so that the model
+it has them), its optimizers (the one place that picks the implementation for a ZeRO
+stage: data_parallel/distributed_optimizer.py is their interface), and the trainer around
+them (the number format, FP8, the experts' statistics). Every entry point builds here, so that the model
 (model.py) and the step (trainer.py) never need to know the features that wrap them."""
 
+from numpitron.data_parallel.buckets import DataParallelOptimizer, HierarchicalDataParallelOptimizer
+from numpitron.data_parallel.distributed_optimizer import GradientGroup
+from numpitron.data_parallel.zero import ZeroOneOptimizer, ZeroTwoOptimizer
+from numpitron.data_parallel.zero3 import ZeroThreeOptimizer
 from numpitron.experts.routing_statistics import RoutingStatistics
 from numpitron.experts.stage_experts import StageExperts
 from numpitron.model import GPTStage
-from numpitron.optim.factory import make_optimizers
+from numpitron.muon.owners import use_muon
 from numpitron.precision.formats import FORMATS, LossScaler, use_format
 from numpitron.precision.fp8 import DelayedScaling, linear_layers
+from numpitron.precision.master_weights import optimizer_format
 from numpitron.precision.mixed_step import Fp8Scaling, MixedPrecisionStep
 from numpitron.trainer import Trainer
 
@@ -17,6 +23,35 @@ def build_stage(model_cfg, topo, **options) -> GPTStage:
     """This rank's stage; options are GPTStage's (seed, sequence_parallel, recompute, ...)."""
     experts = StageExperts(model_cfg, topo) if model_cfg.num_experts else None
     return GPTStage(model_cfg, topo, experts=experts, **options)
+
+
+OPTIMIZERS = {0: DataParallelOptimizer, 1: ZeroOneOptimizer, 2: ZeroTwoOptimizer, 3: ZeroThreeOptimizer}
+
+
+def make_optimizer(store, topo, train_cfg, parallel_cfg, group: GradientGroup | None = None,
+                   zero_stage: int | None = None):
+    """Built after the model: an optimizer that shards pads the store itself. With
+    --optimizer muon its update rule is Muon's, whatever the ZeRO stage, the precision
+    and the way the gradients are reduced. zero_stage: this store's, if not the run's."""
+    chosen = OPTIMIZERS[parallel_cfg.zero_stage if zero_stage is None else zero_stage]
+    if parallel_cfg.hierarchical_all_reduce:         # plain dp only (config.py)
+        chosen = HierarchicalDataParallelOptimizer
+    optimizer = chosen(store, topo, train_cfg, parallel_cfg, group, precision=optimizer_format(train_cfg))
+    if train_cfg.optimizer == "muon":
+        use_muon(optimizer, topo, train_cfg)
+    return optimizer
+
+
+def make_optimizers(model, topo, train_cfg, parallel_cfg) -> list:
+    """One optimizer per store of the model (model.stores): the dense parameters,
+    averaged over dp x cp, then the experts, if any, averaged over expert_dp; both
+    sharded the same way (ZeRO stage) over their own group, except that under ZeRO-3
+    the experts stay at stage 2: the layer-by-layer gathering is the dense store's
+    (data_parallel/zero3.py), and an ep rank holds only its E/ep experts whole anyway."""
+    groups = [GradientGroup.dense(topo), GradientGroup.experts(topo)]
+    stages = [parallel_cfg.zero_stage, min(parallel_cfg.zero_stage, 2)]
+    return [make_optimizer(store, topo, train_cfg, parallel_cfg, group, stage)
+            for store, group, stage in zip(model.stores, groups, stages)]
 
 
 def build_trainer(model_cfg, parallel_cfg, train_cfg, topo) -> Trainer:

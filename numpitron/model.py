@@ -25,9 +25,9 @@ import numpy as np
 
 from numpitron.context_parallel.zigzag import local_positions
 from numpitron.distributed.sharding import shard_bounds, shard_size
-from numpitron.nn.block import Block
+from numpitron.transformer.block import Block
 from numpitron.nn.embedding import Embeddings, PositionEmbedding
-from numpitron.nn.head import LanguageModelHead
+from numpitron.transformer.head import LanguageModelHead
 from numpitron.nn.layer import FULL_PRECISION, Layer
 from numpitron.nn.param_store import ParamStore
 from numpitron.nn.recompute import Recomputed

@@ -15,18 +15,18 @@ from numpitron.config import ModelConfig
 from numpitron.distributed.topology import Topology
 from numpitron.build import build_stage
 from numpitron.context_parallel import blockwise_attention
-from numpitron.nn.activation_memory import attention_area, block_activation_bytes
-from numpitron.nn.attention import ParallelAttention
-from numpitron.nn.block import Block
+from numpitron.transformer.activation_memory import attention_area, block_activation_bytes
+from numpitron.transformer.attention import ParallelAttention
+from numpitron.transformer.block import Block
 from numpitron.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 from numpitron.nn.embedding import Embeddings, PositionEmbedding
 from numpitron.tensor_parallel.vocab_parallel import TiedLMHead, VocabParallelEmbedding, VocabShard
 from numpitron.nn.functional import bias_gelu_forward, gelu_backward_
-from numpitron.nn.head import LanguageModelHead
+from numpitron.transformer.head import LanguageModelHead
 from numpitron.nn.cache_bytes import cache_nbytes
 from numpitron.nn.layernorm import LayerNorm
 from numpitron.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
-from numpitron.nn.mlp import ParallelMLP
+from numpitron.transformer.mlp import ParallelMLP
 from numpitron.nn.recompute import Recomputed
 from tests.harness import assert_fd, check_layer, make_store, rand_x
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff

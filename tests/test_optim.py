@@ -15,7 +15,7 @@ from numpitron.build import build_stage
 from numpitron.optim.adamw import AdamW
 from numpitron.optim.grad_norm import clip_, global_grad_norm
 from numpitron.optim.schedule import learning_rate
-from numpitron.optim.factory import make_optimizer
+from numpitron.build import make_optimizer
 from tests.tolerances import CLIP_RTOL, EQUIV_RTOL_FLOAT64, rel_diff
 
 B1, B2, EPS, WD = 0.9, 0.95, 1e-3, 0.1     # eps large enough that where it goes matters

@@ -16,11 +16,11 @@ from numpitron.config import ModelConfig
 from numpitron.distributed.gather import gather_full
 from numpitron.distributed.topology import Topology
 from numpitron.build import build_stage
-from numpitron.nn.attention import ParallelAttention
+from numpitron.transformer.attention import ParallelAttention
 from numpitron.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 from numpitron.tensor_parallel.vocab_parallel import TiedLMHead, VocabParallelEmbedding
 from numpitron.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
-from numpitron.nn.mlp import ParallelMLP
+from numpitron.transformer.mlp import ParallelMLP
 from numpitron.nn.param import pad_to_full
 from numpitron.nn.param_store import ParamStore
 from tests.harness import assert_close_on_every_rank, assert_on_every_rank, gathered

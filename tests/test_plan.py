@@ -141,7 +141,7 @@ def test_search_ranks_layouts_and_says_why_the_others_fail():
 
 @pytest.mark.parametrize("T, cp", [(16, 1), (64, 1), (128, 1), (16, 2), (64, 2), (32, 4)])
 def test_softmax_groups_cover_the_probabilities_the_layer_keeps(T, cp):
-    from numpitron.nn.activation_memory import attention_area
+    from numpitron.transformer.activation_memory import attention_area
     from numpitron.plan.kernels import attention_groups
     groups = attention_groups(T, cp, 0)
     assert sum(rows * keys for rows, keys, *_ in groups) == attention_area(T, cp)
@@ -179,7 +179,7 @@ def test_the_planner_counts_the_papers_matmul_flops_but_the_scores_it_skips(reco
     """Narayanan et al.'s count charges every query all T keys; the layer computes
     attention_area of them, and adds the embedding's one-hot matmul."""
     from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
-    from numpitron.nn.activation_memory import attention_area
+    from numpitron.transformer.activation_memory import attention_area
     from numpitron.plan.flops import hardware_flops
     from numpitron.plan.predict import microbatch_work
     model, train = ModelConfig(), TrainConfig(micro_batch_size=12)

@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
-from numpitron.nn.activation_memory import block_activation_bytes
+from numpitron.transformer.activation_memory import block_activation_bytes
 from numpitron.nn.cache_bytes import cache_nbytes
 from numpitron.optim.memory_report import memory_bytes
 from numpitron.precision.formats import FORMATS, LossScaler, check_precision
@@ -100,7 +100,7 @@ def test_activations_are_kept_in_2_bytes_and_statistics_in_4_and_recomputation_k
     # Every activation a layer keeps for its backward (x-hat, the linear layers' inputs,
     # q, k, v, the probabilities, GELU's slope and output) holds the format's values in
     # 2 bytes; the statistics (1/std, the log-sum-exps) and the loss's probabilities stay
-    # fp32 (nn/activation_memory.py derives a block's bytes). To the byte, against fp32's.
+    # fp32 (transformer/activation_memory.py derives a block's bytes). To the byte, against fp32's.
     model, tokens = tiny_model("float32"), tiny_tokens()
     B, T, C, H = tiny_train().micro_batch_size, model.seq_len, model.d_model, model.n_heads
     for recompute in ("none", "selective", "full"):

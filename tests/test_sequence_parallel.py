@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from numpitron.checkpoint import load_checkpoint, save_checkpoint
 from numpitron.distributed.topology import Topology
-from numpitron.nn.activation_memory import block_activation_bytes
+from numpitron.transformer.activation_memory import block_activation_bytes
 from numpitron.nn.cache_bytes import cache_nbytes
 from tests.harness import assert_on_every_rank, make_trainer, serial_reference, tiny_model, tiny_tokens, tiny_train
 from tests.harness import error_lines, run_script, train_steps

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from numpitron.distributed.topology import Topology
-from numpitron.nn.mlp import ParallelMLP
+from numpitron.transformer.mlp import ParallelMLP
 from numpitron.nn.param_store import ParamStore
 from numpitron.tensor_parallel.regions import ReplicatedRegion
 from tests.harness import assert_on_every_rank, check_mesh, make_trainer, mesh_id, tiny_model, tiny_train, train_steps

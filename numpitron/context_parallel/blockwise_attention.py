@@ -86,7 +86,7 @@ class SoftmaxGroup(NamedTuple):
     queries: Chunk          # the tile's rows of q
     key_end: int            # it saw the block's key rows [0, key_end)
     probs: np.ndarray | None    # P_g (B, H, tq, key_end), normalised by the group's own L_g;
-    #                             None under selective recomputation (nn/attention.py)
+    #                             None under selective recomputation (transformer/attention.py)
     lse: np.ndarray         # L_g (B, H, tq, 1)
 
 

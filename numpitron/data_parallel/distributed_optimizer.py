@@ -20,7 +20,7 @@ for checkpoints and exports; `memory_bytes(optimizer)` (optim/memory_report.py)
 counts what it keeps, from `params`, `kept_grads()` and `pass_peaks()`.
 
 Implementations: `buckets.DataParallelOptimizer` (ZeRO stage 0), `zero.ZeroOneOptimizer`
-and `ZeroTwoOptimizer`, `zero3.ZeroThreeOptimizer`; `optim/factory.py` picks them.
+and `ZeroTwoOptimizer`, `zero3.ZeroThreeOptimizer`; `build.py` picks them.
 """
 
 import math

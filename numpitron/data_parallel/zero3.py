@@ -35,7 +35,7 @@ stage; config.py refuses it (as Megatron-LM and DeepSpeed do).
 
 Experts: only the dense store is gathered layer by layer. A MoE block's experts live in
 the other store, whole on the ranks that hold them (their ep rank's share, E/ep
-experts), with ZeRO-2's sharded gradients and state over expert_dp (optim/factory.py).
+experts), with ZeRO-2's sharded gradients and state over expert_dp (build.py).
 """
 
 import numpy as np
@@ -130,7 +130,7 @@ class LayerGatherer:
         self.units = {ROOT: Unit([p for p in store.params if id(p) not in in_blocks], store.offsets,
                                  store.numel, store.size)}
         for k, block in enumerate(block_layers):
-            # a MoE block's experts are in the other store, never gathered (optim/factory.py)
+            # a MoE block's experts are in the other store, never gathered (build.py)
             mine = [p for p in block.parameters() if p.name in store.offsets]
             self.units[k] = Unit(mine, store.offsets, store.numel, store.size)
         self.unit_of_layer = [block_layers.index(layer) if layer in block_layers else ROOT

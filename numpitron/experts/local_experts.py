@@ -1,4 +1,4 @@
-"""This rank's experts: each is the dense GELU MLP (nn/mlp.py, the same class, of
+"""This rank's experts: each is the dense GELU MLP (transformer/mlp.py, the same class, of
 its own hidden width), column-parallel then row-parallel over tp, run one after
 another on the contiguous rows routed to it: grouped compute, no padding.
 
@@ -18,7 +18,7 @@ checkpoint stores it under the same name for any ep.
 import numpy as np
 
 from numpitron.nn.layer import InFlight, Layer
-from numpitron.nn.mlp import ParallelMLP
+from numpitron.transformer.mlp import ParallelMLP
 from numpitron.tensor_parallel.regions import ReplicatedRegion
 
 

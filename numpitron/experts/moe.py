@@ -37,7 +37,7 @@ from numpitron.distributed.sharding import shard_bounds
 from numpitron.experts.local_experts import LocalExperts
 from numpitron.nn.layer import Layer
 from numpitron.nn.matmul import rows
-from numpitron.nn.mlp import ParallelMLP
+from numpitron.transformer.mlp import ParallelMLP
 from numpitron.tensor_parallel.regions import ReplicatedRegion
 from numpitron.experts.router import TopKRouter
 from numpitron.experts.token_dispatch import AllToAllDispatcher

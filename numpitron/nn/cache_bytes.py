@@ -1,5 +1,5 @@
 """The bytes a layer's cache keeps alive: what the pipeline executor reports as a
-rank's activation memory and the tests hold to the formulas of nn/activation_memory.py."""
+rank's activation memory and the tests hold to the formulas of transformer/activation_memory.py."""
 
 import numpy as np
 

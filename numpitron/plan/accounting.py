@@ -165,7 +165,7 @@ def state_bytes(model, parallel, rank: Rank, optimizer: str = "adamw", precision
     low format, 2 bytes; the optimizer state 12 bytes an element of its slice, the fp32
     master weights and both fp32 moments (Muon is fp32 only). Experts (docs/11-experts.md):
     a second buffer, E/ep experts of each MoE block, sharded the same way over the
-    expert_dp ranks of one replica (cp x S / ep), at stage 2 under ZeRO-3 (optim/factory.py)."""
+    expert_dp ranks of one replica (cp x S / ep), at stage 2 under ZeRO-3 (build.py)."""
     fmt = FORMATS[precision]
     # state_item: bytes per moment element (optimizer_state_elements counts two an element):
     # mixed, (4 master + 4 m + 4 v) / 2.

@@ -4,7 +4,7 @@ them with `PipelineStats.peak_activation_bytes` of a real run, to the byte. A ra
 plan/accounting.py's `Rank`."""
 
 from numpitron.distributed.sharding import pad_to_multiple
-from numpitron.nn.activation_memory import block_activation_bytes
+from numpitron.transformer.activation_memory import block_activation_bytes
 from numpitron.pipeline_parallel.schedules import BACKWARD, FORWARD, WEIGHT_GRAD, make_schedule
 from numpitron.plan.accounting import Rank
 from numpitron.plan.experts import moe_activation_delta

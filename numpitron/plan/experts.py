@@ -20,7 +20,7 @@ from functools import cache
 
 from numpitron.distributed.sharding import pad_to_multiple
 from numpitron.distributed.topology import Topology
-from numpitron.nn.block import Block
+from numpitron.transformer.block import Block
 from numpitron.experts.moe import MixtureOfExperts
 from numpitron.experts.router import capacity
 from numpitron.plan.collective_bytes import all_reduce_bytes, half_bytes

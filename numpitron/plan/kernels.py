@@ -22,7 +22,7 @@ against the probabilities the layer keeps.
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from numpitron.nn.activation_memory import softmax_groups
+from numpitron.transformer.activation_memory import softmax_groups
 from numpitron.nn.functional import TILE_ELEMENTS as GELU_TILE      # elements per tile, each its own calls
 from numpitron.nn.kernel_counts import EXP_PER_ELEMENT, PASSES, SMALL_CALLS
 from numpitron.optim.adamw import CHUNK as ADAMW_CHUNK              # elements per chunk, each its own calls
@@ -97,7 +97,7 @@ def _gelu(w, elements, forward, backward):
 
 def attention_groups(T: int, cp: int, cp_rank: int | None = None) -> list:
     """(query rows, key rows, masked, first of its queries) of every softmax group a rank
-    computes over a whole ring: the layer's own groups (nn/activation_memory.py,
+    computes over a whole ring: the layer's own groups (transformer/activation_memory.py,
     `softmax_groups`), for the busiest rank (the last) unless told."""
     groups, seen = [], set()
     for tile, visible in softmax_groups(T, cp, cp - 1 if cp_rank is None else cp_rank):

@@ -7,10 +7,10 @@ import math
 from functools import cache
 
 from numpitron.distributed.topology import Topology
-from numpitron.nn.block import Block
+from numpitron.transformer.block import Block
 from numpitron.nn.embedding import PositionEmbedding
 from numpitron.tensor_parallel.vocab_parallel import VocabParallelEmbedding
-from numpitron.nn.head import LanguageModelHead
+from numpitron.transformer.head import LanguageModelHead
 from numpitron.muon.muon import is_hidden_matrix, matrix_shape
 from numpitron.plan.experts import moe_layer_params, moe_layer_sizes
 

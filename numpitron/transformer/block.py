@@ -3,10 +3,10 @@ is the dense one unless the block is given another (a mixture of experts, expert
 
 import math
 
-from numpitron.nn.attention import ParallelAttention
+from numpitron.transformer.attention import ParallelAttention
 from numpitron.nn.layer import Layer
 from numpitron.nn.layernorm import LayerNorm
-from numpitron.nn.mlp import ParallelMLP
+from numpitron.transformer.mlp import ParallelMLP
 
 
 class Block(Layer):

@@ -30,7 +30,7 @@ def softmax_groups(T: int, cp: int = 1, cp_rank: int = 0):
     """(query tile, the key chunks it sees) of every softmax group a rank computes for
     its local sequence of T tokens over a whole ring: the query tiles of its two zigzag
     chunks (context_parallel/zigzag.py) against the visible prefix of each block, exactly as
-    nn/attention.py walks them."""
+    transformer/attention.py walks them."""
     mine = query_tiles(zigzag_chunks(T, cp, cp_rank))
     for step in range(cp):
         owner = (cp_rank - step) % cp
