@@ -20,7 +20,7 @@ critical path and the weight gradient is not (zero-bubble schedules defer it).
 that arrived at each inner linear layer), so the halves may run far apart.
 
 Run together (`backward`), the halves let a tensor-parallel layer hide communication
-(Megatron-Core's tp_comm_overlap): a column-parallel layer's input gradient must be
+(Megatron's async_tensor_model_parallel_allreduce): a column-parallel layer's input gradient must be
 summed over tp, and nothing in its own weight gradient needs that sum. So
 `start_backward_input` starts the collective and returns at once, the weight half
 computes meanwhile, and `wait` finishes it. A layer defines `backward_input` or
