@@ -124,10 +124,12 @@ def test_sizes_no_host_has_are_one_line_before_anything_is_allocated(data_dir, c
     ("train_shakespeare.py", ["--blas-threads", "0"], "--blas-threads must be positive"),
     ("train_shakespeare.py", ["--blas-threads", "-3"], "--blas-threads must be positive"),
     ("train_shakespeare.py", ["--collective-timeout", "nan"], "--collective-timeout must be"),
+    ("train_shakespeare.py", ["--collective-timeout", "0.001"], "or a finite number of seconds >= 1, got 0.001"),
+    ("sample.py", ["--collective-timeout", "0.5"], "--collective-timeout must be 0 (wait forever) or"),
     ("train_shakespeare.py", ["--eval-iters", str(10**9)], "distinct ones the smaller split holds"),
     ("sample.py", ["--temperature", "nan"], "--temperature must be a finite number"),
     ("sample.py", ["--seed", "-1"], "--seed must not be negative"),
-], ids=["blas-0", "blas-negative", "timeout-nan", "eval-iters", "temperature-nan", "sample-seed"])
+], ids=["blas-0", "blas-negative", "timeout-nan", "timeout-tiny", "sample-timeout-tiny", "eval-iters", "temperature-nan", "sample-seed"])
 def test_flags_that_make_no_sense_are_one_line(data_dir, copy, script, flags, fragment):
     before = snapshot(copy)
     args = (TINY + ["--data-dir", str(data_dir), "--max-iters", "6", "--resume"] if script == "train_shakespeare.py"
