@@ -10,6 +10,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 from numpitron.checkpoint import latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint
 from numpitron.checkpoint.manifest import iter_dirs
 from numpitron.checkpoint.prune import written_by_us
@@ -24,6 +26,11 @@ from numpitron.metrics import MetricsLog
 from numpitron.pipeline_parallel.schedules import closed_form_bubble
 from numpitron.rundir import METRICS_NAME, claim_on_every_rank
 from numpitron.build import build_trainer
+from numpitron.trainer import PlainStep
+
+# A run that overflows is caught below and told in one line ("training diverged"): NumPy's
+# own RuntimeWarnings about the same overflow, one per kernel, would only come before it.
+QUIET = dict(over="ignore", invalid="ignore", divide="ignore")
 
 
 def prepare_data_on_ranks(topo, data_dir: Path, input_path=None) -> dict:
@@ -76,7 +83,8 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
     while trainer.iteration < train_cfg.max_iters:
         topo.stats.reset()
         t0 = time.perf_counter()
-        step = trainer.train_step(splits["train"])
+        with np.errstate(**QUIET):
+            step = trainer.train_step(splits["train"])
         dt = time.perf_counter() - t0
         it = trainer.iteration          # iterations completed
         record = {"iter": it, **step, "global_batch_size": trainer.global_batch_size,
@@ -91,12 +99,13 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
                                                           trainer.num_microbatches, trainer.parallel_cfg.virtual_stages)
             record["peak_in_flight"] = trainer.last_pipeline_stats.peak_in_flight
             record["peak_activation_bytes"] = trainer.last_pipeline_stats.peak_activation_bytes
-        if not math.isfinite(step["train_loss"]):
-            raise UserError(f"training diverged at iteration {it}: loss is {step['train_loss']}")
+        check_diverged(it, step, isinstance(trainer.step_rule, PlainStep))
         is_eval = it % train_cfg.eval_interval == 0 or it == train_cfg.max_iters
         improved = False
         if is_eval:
-            last_eval = trainer.evaluate(splits, train_cfg.eval_iters)
+            with np.errstate(**QUIET):
+                last_eval = trainer.evaluate(splits, train_cfg.eval_iters)
+            check_diverged(it, {"validation loss": last_eval["val"]})
             record.update(val_loss=last_eval["val"], eval_train_loss=last_eval["train"])
             improved = last_eval["val"] < trainer.best_val_loss
             trainer.best_val_loss = min(trainer.best_val_loss, last_eval["val"])
@@ -116,6 +125,19 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
     return {"iterations": trainer.iteration, "trained": trainer.iteration - first_iteration,
             "val_loss": last_eval.get("val"),
             "train_loss": last_eval.get("train"), "elapsed_s": time.perf_counter() - start, "trainer": trainer}
+
+
+def check_diverged(iteration: int, step: dict, applied_every_step: bool = False) -> None:
+    """One line, before anything is saved, once a number that training needs finite is not:
+    the loss, the validation loss, or (for a step that applies every update, where a
+    mixed-precision run would skip it) the gradient norm the update was clipped by."""
+    named = {"train_loss": "loss", "validation loss": "validation loss"}
+    checked = {named[k]: v for k, v in step.items() if k in named}
+    if applied_every_step:
+        checked["gradient norm"] = step["grad_norm"]
+    for what, value in checked.items():
+        if not math.isfinite(value):
+            raise UserError(f"training diverged at iteration {iteration}: {what} is {value}")
 
 
 def resume_from_latest(ckpt_root: Path, trainer, train_cfg, tokenizer) -> bool:
