@@ -77,12 +77,14 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
         print(f"model: {sum(int(math.prod(p.logical_shape)) for p in trainer.model.parameters())} parameters on stage 0; "
               f"{trainer.num_microbatches} micro-batches of {train_cfg.micro_batch_size} per dp rank", flush=True)
     first_iteration = trainer.iteration
+    skips = None if isinstance(trainer.step_rule, PlainStep) else SkippedSteps(trainer.scaler)
     bar = _progress_bar(trainer.iteration, train_cfg.max_iters, progress and topo.is_logger and sys.stdout.isatty())
     plain = progress and bar is None
     start, last_eval = time.perf_counter(), {}
     while trainer.iteration < train_cfg.max_iters:
         topo.stats.reset()
         t0 = time.perf_counter()
+        scale = trainer.step_rule.loss_scale             # this step's, before the scaler changes it
         with np.errstate(**QUIET):
             step = trainer.train_step(splits["train"])
         dt = time.perf_counter() - t0
@@ -99,7 +101,9 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
                                                           trainer.num_microbatches, trainer.parallel_cfg.virtual_stages)
             record["peak_in_flight"] = trainer.last_pipeline_stats.peak_in_flight
             record["peak_activation_bytes"] = trainer.last_pipeline_stats.peak_activation_bytes
-        check_diverged(it, step, isinstance(trainer.step_rule, PlainStep))
+        check_diverged(it, step, skips is None)
+        if skips is not None:
+            skips.record(it, step, scale, last=it == train_cfg.max_iters)
         is_eval = it % train_cfg.eval_interval == 0 or it == train_cfg.max_iters
         improved = False
         if is_eval:
@@ -138,6 +142,40 @@ def check_diverged(iteration: int, step: dict, applied_every_step: bool = False)
     for what, value in checked.items():
         if not math.isfinite(value):
             raise UserError(f"training diverged at iteration {iteration}: {what} is {value}")
+
+
+class SkippedSteps:
+    """A mixed-precision step whose gradients overflow is skipped (its norm is not finite)
+    and fp16's loss scale halved. Two cases no scale mends end the run in one line: STALLED
+    steps in a row overflowing with no lower scale to try (fp16 at 1; bf16 and FP8 never
+    scale), and a run whose every step was skipped (a --loss-scale far too large), found
+    before its final save."""
+
+    STALLED = 10
+
+    def __init__(self, scaler):
+        self.scaler, self.first_scale = scaler, scaler.scale
+        self.steps = self.skipped = self.in_a_row = 0
+
+    def record(self, iteration: int, step: dict, scale: float, last: bool) -> None:
+        self.steps += 1
+        if math.isfinite(step["grad_norm"]):
+            self.in_a_row = 0
+            return
+        self.skipped += 1
+        self.in_a_row = self.in_a_row + 1 if scale <= 1 or not self.scaler.dynamic else 0
+        if self.in_a_row == self.STALLED:
+            raise UserError(f"training diverged at iteration {iteration}: the gradients overflowed "
+                            f"{self.scaler.precision} in {self.STALLED} steps in a row at loss scale {scale:g}, with "
+                            f"no lower scale to try")
+        if last and self.skipped == self.steps:
+            raise UserError(f"every one of this run's {self.steps} steps overflowed {self.scaler.precision} and was "
+                            f"skipped (its loss scale fell from {_power(self.first_scale)} to "
+                            f"{_power(self.scaler.scale)}): start again from a smaller --loss-scale (0: the default)")
+
+
+def _power(scale: float) -> str:
+    return f"2^{int(math.log2(scale))}" if scale >= 1 else f"{scale:g}"
 
 
 def resume_from_latest(ckpt_root: Path, trainer, train_cfg, tokenizer) -> bool:
