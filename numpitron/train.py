@@ -24,6 +24,7 @@ from numpitron.errors import UserError
 from numpitron.memory import check_fits
 from numpitron.metrics import MetricsLog
 from numpitron.pipeline_parallel.schedules import closed_form_bubble
+from numpitron.rampup import Ramp
 from numpitron.rundir import METRICS_NAME, claim_on_every_rank
 from numpitron.build import build_trainer
 from numpitron.trainer import PlainStep
@@ -212,15 +213,41 @@ def check_eval_iters(train_cfg, global_batch: int, seq_len: int, splits: dict) -
 
 
 def batch_change_note(manifest: dict, trainer) -> str | None:
-    """A line if the global batch differs from the one the checkpoint trained with (a
-    default global batch follows dp, so resuming on another mesh changes it)."""
-    saved_train, saved_mesh = manifest.get("train_config") or {}, manifest.get("mesh") or {}
-    saved = saved_train.get("global_batch_size") or saved_train.get("micro_batch_size", 0) * saved_mesh.get("data", 0)
-    now = trainer.global_batch_size
-    if not isinstance(saved, int) or saved <= 0 or saved == now:
+    """A line if the global batches from the resumed iteration on differ from those the
+    checkpoint's run would have taken: another global batch (a default one follows dp, so
+    another mesh changes it), or a batch-size ramp added, dropped or changed before it
+    was done."""
+    saved = saved_batch_schedule(manifest)
+    if saved is None:
         return None
-    return (f"note: the global batch is now {now} sequences, the checkpoint trained with {saved}: "
-            f"pass --global-batch-size {saved} to continue its trajectory")
+    target, ramp = saved
+    it, cfg, dp = trainer.iteration, trainer.train_cfg, trainer.topo.dp
+    then = Ramp(*ramp, target).at(it) if ramp else target        # the batch the saved run takes next
+    now, now_target = cfg.global_batch_at(it, dp), cfg.global_batch(dp)
+    ramp_left = then != target                                    # the saved run was still ramping up
+    if now_target == target and (tuple(cfg.rampup_batch_size) == ramp if ramp_left else now == target):
+        return None
+    flags = f"--global-batch-size {target}" + (" --rampup-batch-size {} {} {}".format(*ramp) if ramp_left else
+                                               " without --rampup-batch-size" if now != now_target else "")
+    saved_run = f"the checkpoint's run would take {then}" if ramp_left else f"the checkpoint trained with {then}"
+    head = (f"the global batch is now {now} sequences, {saved_run}" if now != then else
+            "from here the global batch ramps up otherwise than in the checkpoint's run")
+    return f"note: {head}: pass {flags} to continue its trajectory"
+
+
+def saved_batch_schedule(manifest: dict) -> tuple[int, tuple] | None:
+    """(global batch, ramp) a checkpoint's run trained with, or None if it does not say
+    (an import) or says something no run could have used."""
+    saved_train, saved_mesh = manifest.get("train_config") or {}, manifest.get("mesh") or {}
+    try:
+        target = saved_train.get("global_batch_size") or saved_train.get("micro_batch_size", 0) * saved_mesh.get("data", 0)
+        ramp = tuple(saved_train.get("rampup_batch_size") or ())
+    except (AttributeError, TypeError):
+        return None
+    whole = all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (target, *ramp))
+    if not whole or len(ramp) not in (0, 3) or (ramp and ramp[0] > target):
+        return None
+    return target, ramp
 
 
 def checkpoint_reason(iteration: int, improved: bool, train_cfg) -> str | None:
