@@ -54,6 +54,8 @@ class FileFlags:
     resume: bool = setting(False, "continue from the latest checkpoint in --out-dir")
     overwrite: bool = setting(False, "replace the run in --out-dir (its metrics.jsonl and the checkpoints this "
                                      "library wrote)")
+    reseed: bool = setting(False, "with --resume: allow a --seed other than the checkpoint's run's (its batches "
+                                  "from here on differ from that run's)")
     no_progress: bool = setting(False, "no progress bar")
 
 

@@ -44,9 +44,9 @@ def prepare_data_on_ranks(topo, data_dir: Path, input_path=None) -> dict:
 
 
 def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=False,
-          progress=True, input_path=None, overwrite=False, run_config: str | None = None) -> dict:
+          progress=True, input_path=None, overwrite=False, run_config: str | None = None, reseed=False) -> dict:
     """run_config: the resolved flags as TOML, written to OUT_DIR/config.toml once the
-    directory is claimed and any checkpoint resumed. The progress is a bar on a terminal, else a line per log interval."""
+    directory is claimed and any checkpoint resumed. reseed: resume with another seed. The progress is a bar on a terminal, else a line per log interval."""
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     paths = prepare_data_on_ranks(topo, data_dir, input_path)
     tokenizer, splits = on_every_rank(topo.world, lambda: load_prepared(paths, model_cfg.seq_len))
@@ -58,7 +58,7 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
     ckpt_root = out_dir / "checkpoints"
     best_ckpt = None
     if resume:
-        if not resume_from_latest(ckpt_root, trainer, train_cfg, tokenizer):
+        if not resume_from_latest(ckpt_root, trainer, train_cfg, tokenizer, reseed):
             if lock is not None:
                 lock.release()
             return {"iterations": trainer.iteration, "trained": 0, "trainer": trainer}
@@ -179,10 +179,12 @@ def _power(scale: float) -> str:
     return f"2^{int(math.log2(scale))}" if scale >= 1 else f"{scale:g}"
 
 
-def resume_from_latest(ckpt_root: Path, trainer, train_cfg, tokenizer) -> bool:
+def resume_from_latest(ckpt_root: Path, trainer, train_cfg, tokenizer, reseed: bool = False) -> bool:
     """Load the newest checkpoint into `trainer`; False (with a line from the logging
     rank) when it is already at --max-iters. Says so when the global batch changed, and
-    refuses a checkpoint trained with another tokenizer than the data's."""
+    refuses a checkpoint trained with another tokenizer than the data's, or (unless
+    reseed) with another seed: the seed draws every batch, so the run would go on with
+    other data than the checkpoint's run."""
     found = latest_checkpoint(ckpt_root)
     if found is None:
         raise UserError(f"--resume: no checkpoint in {ckpt_root}")
@@ -191,6 +193,10 @@ def resume_from_latest(ckpt_root: Path, trainer, train_cfg, tokenizer) -> bool:
     if saved_tokenizer is not None and saved_tokenizer != tokenizer.to_dict():
         raise UserError(f"--resume: {found} was trained with another tokenizer than the data's "
                         f"(e.g. imported from another corpus); its token ids would mean other characters")
+    saved_seed = (manifest.get("train_config") or {}).get("seed")
+    if isinstance(saved_seed, int) and saved_seed != train_cfg.seed and not reseed:
+        raise UserError(f"--resume: {found} was trained with --seed {saved_seed}, and --seed {train_cfg.seed} would "
+                        f"draw other batches from here on: pass --seed {saved_seed}, or --reseed to change them")
     if trainer.iteration > train_cfg.max_iters:
         raise UserError(f"--resume: {found} is at iteration {trainer.iteration}, past --max-iters "
                         f"{train_cfg.max_iters}: raise --max-iters to train further")

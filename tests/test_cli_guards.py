@@ -170,6 +170,25 @@ def test_resuming_says_when_the_batch_changes_and_when_there_is_nothing_to_train
                      "pass --global-batch-size 4 to continue its trajectory"], wider.stdout
 
 
+def test_resuming_with_another_seed_is_refused_unless_asked_for(data_dir, copy):
+    """The seed draws every batch: resumed with another one (a flag, or an edited
+    config.toml), the run went on with other data than the checkpoint's, without a word."""
+    before = snapshot(copy)
+    one_line(train(data_dir, copy, "--max-iters", "6", "--resume", "--seed", "99"),
+             "iter_000004 was trained with --seed 1337, and --seed 99 would draw other batches from here on: "
+             "pass --seed 1337, or --reseed to change them")
+    edited = copy / "edited.toml"
+    edited.write_text((copy / "config.toml").read_text().replace("seed = 1337", "seed = 5"))
+    before[edited.name] = snapshot(copy)[edited.name]
+    one_line(run(["--config", str(edited), "--out-dir", str(copy), "--max-iters", "6", "--resume"]),
+             "was trained with --seed 1337")
+    assert snapshot(copy) == before
+    asked = train(data_dir, copy, "--max-iters", "6", "--resume", "--seed", "99", "--reseed")
+    assert asked.returncode == 0 and asked.stderr == "", asked.stderr
+    config = (copy / "config.toml").read_text()
+    assert "seed = 99" in config and "reseed" not in config
+
+
 def test_a_second_job_in_a_used_directory_is_refused_naming_the_first(data_dir, copy):
     leftover = copy / ".metrics.jsonl.4242.tmp"           # a kill during a metrics rewrite left it
     leftover.write_text("x" * 1000)
