@@ -4,6 +4,10 @@
     python sample.py --config configs/sample.toml --temperature 0
     mpiexec -n 2 python sample.py --tensor-parallel-size 2
     mpiexec -n 4 python sample.py --pipeline-parallel-size 2 --data-parallel-size 2 --num-samples 4
+
+One sample (the default) is printed as it is drawn, a token at a time, on any mesh, and
+keeps only the model's window: its length costs no memory. Several samples are split over
+the dp replicas and printed together once all are done.
 """
 
 import sys
@@ -34,7 +38,7 @@ class Sampling:
     temperature: float = setting(0.8, "0: greedy (the most likely token)")
     top_k: int | None = setting(None)
     seed: int = setting(1337)
-    num_samples: int = setting(1)
+    num_samples: int = setting(1, "1: printed as it is generated; more: printed together at the end")
 
 
 def parser():
@@ -59,7 +63,7 @@ def main(argv=None) -> int:
     from numpitron.data.tokenizer import CharTokenizer
     from numpitron.distributed.topology import Topology
     from numpitron.errors import UserError
-    from numpitron.generate import generate
+    from numpitron.generate import generate, stream
     from numpitron.memory import check_generation_fits, check_model_fits
     from numpitron.build import build_stage
 
@@ -88,9 +92,18 @@ def main(argv=None) -> int:
     world = MPI.COMM_WORLD
     topo = Topology.from_mesh(world, mesh_from_args(args, world.Get_size(), model_cfg, None), args.collective_timeout)
     check_model_fits(model_cfg, topo, what=f"sampling from {path}")
-    check_generation_fits(model_cfg, topo, args.num_samples, len(prompt) + args.max_new_tokens)
+    streamed = args.num_samples == 1          # kept: the window the model sees, not the text
+    kept = min(args.max_new_tokens, model_cfg.seq_len) if streamed else args.max_new_tokens
+    check_generation_fits(model_cfg, topo, args.num_samples, len(prompt) + kept)
     model = build_stage(model_cfg, topo)
     load_model_weights(path, model, model_cfg)
+    if streamed:
+        show = print if topo.is_logger else (lambda *args, **kwargs: None)     # every rank draws each token
+        show(tokenizer.decode(prompt), end="", flush=True)
+        for token in stream(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed):
+            show(tokenizer.decode([token]), end="", flush=True)
+        show(flush=True)
+        return 0
     ids = generate(model, prompt, args.max_new_tokens, args.num_samples, args.temperature, args.top_k, args.seed)
     if topo.is_logger:
         print("\n---------------\n".join(tokenizer.decode(row) for row in ids), flush=True)

@@ -27,7 +27,8 @@ def main(argv=None) -> int:
     args.data_parallel_size, args.global_batch_size = topo.dp, train_cfg.global_batch(topo.dp)
     result = train(model_cfg, parallel_cfg, train_cfg, topo, args.data_dir, args.out_dir,
                    resume=args.resume, progress=not args.no_progress, input_path=args.input,
-                   overwrite=args.overwrite, run_config=config_toml(parser, args, leave_out=("resume", "overwrite")))
+                   overwrite=args.overwrite, reseed=args.reseed,
+                   run_config=config_toml(parser, args, leave_out=("resume", "overwrite", "reseed")))
     if topo.is_logger and result["trained"]:
         val = "" if result["val_loss"] is None else f", val loss {result['val_loss']:.4f}"
         print(f"done: {result['iterations']} iterations{val}, {result['elapsed_s']:.1f} s", flush=True)

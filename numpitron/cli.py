@@ -14,7 +14,7 @@ from typing import ClassVar
 from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
 from numpitron.config_fields import flags_of, from_args, setting
 from numpitron.layout import check_layout
-from numpitron.distributed.watchdog import DEFAULT_TIMEOUT_S
+from numpitron.distributed.watchdog import DEFAULT_TIMEOUT_S, MIN_TIMEOUT_S
 from numpitron.errors import UserError
 from numpitron.runtime import prescan
 
@@ -38,7 +38,8 @@ class MeshFlags:
                                                          "average across hosts")
     blas_threads: int = setting(1, "BLAS threads per rank (read before NumPy starts)")      # runtime.py
     collective_timeout: float = setting(DEFAULT_TIMEOUT_S, "a rank that waits longer in one collective ends the "
-                                        "job, naming itself and the collective (0: wait forever)", metavar="SECONDS")
+                                        f"job, naming itself and the collective (0: wait forever; else at least "
+                                        f"{MIN_TIMEOUT_S:g})", metavar="SECONDS")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class FileFlags:
     resume: bool = setting(False, "continue from the latest checkpoint in --out-dir")
     overwrite: bool = setting(False, "replace the run in --out-dir (its metrics.jsonl and the checkpoints this "
                                      "library wrote)")
+    reseed: bool = setting(False, "with --resume: allow a --seed other than the checkpoint's run's (its batches "
+                                  "from here on differ from that run's)")
     no_progress: bool = setting(False, "no progress bar")
 
 
@@ -141,8 +144,11 @@ def mesh_from_args(args, world_size: int, model: ModelConfig, train: TrainConfig
     from numpitron.distributed.topology import resolve_mesh
     if args.blas_threads < 1:
         raise UserError(f"--blas-threads must be positive, got {args.blas_threads}")
-    if not math.isfinite(args.collective_timeout) or args.collective_timeout < 0:
-        raise UserError(f"--collective-timeout must be a finite number of seconds >= 0, got {args.collective_timeout}")
+    timeout = args.collective_timeout
+    if not math.isfinite(timeout) or timeout < 0 or 0 < timeout < MIN_TIMEOUT_S:
+        # A deadline shorter than a busy rank's pause would end a healthy job blaming a peer.
+        raise UserError(f"--collective-timeout must be 0 (wait forever) or a finite number of seconds >= "
+                        f"{MIN_TIMEOUT_S:g}, got {timeout}")
     mesh = resolve_mesh(world_size, args.tensor_parallel_size, args.pipeline_parallel_size,
                         args.data_parallel_size, args.context_parallel_size, args.expert_parallel_size,
                         args.data_parallel_shard_size)

@@ -71,8 +71,6 @@ def generate(model, prompt_ids, max_new_tokens: int, num_samples: int = 1, tempe
     down (none, when there are fewer samples than replicas), then the replicas
     exchange theirs. Check the sizes first (`memory.check_generation_fits`)."""
     topo = model.topo
-    if model.virtual_stages != 1 or topo.cp != 1:
-        raise ValueError("generation runs on one chunk per stage and whole sequences (cp = 1)")
     shares = [balanced_bounds(num_samples, topo.dp, d) for d in range(topo.dp)]
     start, stop = shares[topo.dp_rank]
     most = pad_to_multiple(num_samples, topo.dp) // topo.dp          # the largest share
@@ -81,12 +79,25 @@ def generate(model, prompt_ids, max_new_tokens: int, num_samples: int = 1, tempe
     # drops: its expert-parallel peers wait for its tokens in each all-to-all. (Experts
     # see each row on its own, so the placeholder changes no other row.)
     rows = max(stop - start, 1)
-    prompts = np.tile(np.asarray(prompt_ids, np.int64), (rows, 1))
+    mine = everyone[topo.dp_rank, :rows]
+    mine[:, :len(prompt_ids)] = prompt_ids
     rngs = [np.random.default_rng([seed, k]) for k in range(start, start + rows)]
-    generated = _generate_rows(model, prompts, max_new_tokens, rngs, temperature, top_k)
-    everyone[topo.dp_rank, :stop - start] = generated[:stop - start]
+    for i, tokens in enumerate(new_tokens(model, prompt_ids, max_new_tokens, rngs, temperature, top_k)):
+        mine[:, len(prompt_ids) + i] = tokens
+    mine[stop - start:] = 0                                          # the placeholder
     topo.dp_comm.all_gather(everyone)
     return np.concatenate([everyone[d, :b - a] for d, (a, b) in enumerate(shares)])
+
+
+def stream(model, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+           seed: int = 0):
+    """Yields, one at a time as they are drawn, the new tokens of the one sample that
+    `generate(..., num_samples=1)` returns, on every rank: every dp replica draws it (one
+    without a sample would step on a placeholder row anyway). Only the window the model
+    sees is kept, so the length costs no memory."""
+    for tokens in new_tokens(model, prompt_ids, max_new_tokens, [np.random.default_rng([seed, 0])], temperature,
+                             top_k):
+        yield int(tokens[0])
 
 
 def new_kv_cache(model, batch: int, chunk: int = 0) -> KVCache:
@@ -96,17 +107,24 @@ def new_kv_cache(model, batch: int, chunk: int = 0) -> KVCache:
                    model.dtype)
 
 
-def _generate_rows(model, out, max_new_tokens: int, rngs, temperature: float, top_k: int | None) -> np.ndarray:
-    """Extend each row of `out` by max_new_tokens tokens, row i drawing from rngs[i]."""
+def new_tokens(model, prompt_ids, max_new_tokens: int, rngs, temperature: float, top_k: int | None):
+    """Yields max_new_tokens times the next token of each of len(rngs) rows that start
+    from the prompt, row i drawing from rngs[i]. Keeps the last seq_len tokens: all the
+    model sees."""
+    if model.virtual_stages != 1 or model.topo.cp != 1:
+        raise ValueError("generation runs on one chunk per stage and whole sequences (cp = 1)")
     T = model.model_cfg.seq_len
-    kv = new_kv_cache(model, len(out))
-    logits = next_token_logits(model, out[:, -T:], kv)
-    for _ in range(max_new_tokens):
+    window = np.tile(np.asarray(prompt_ids, np.int64)[-T:], (len(rngs), 1))
+    kv = new_kv_cache(model, len(rngs))
+    logits = next_token_logits(model, window, kv)
+    for n in range(max_new_tokens):
         token = sample_next(logits, rngs, temperature, top_k)
-        out = np.concatenate([out, token[:, None]], axis=1)
+        yield token
+        if n + 1 == max_new_tokens:
+            return                        # no forward for a token nobody draws
+        window = np.concatenate([window, token[:, None]], axis=1)[:, -T:]
         if kv.pos == T:                   # window full: slide it by half
             kv.reset()
-            logits = next_token_logits(model, out[:, -(T // 2):], kv)
+            logits = next_token_logits(model, window[:, -(T // 2):], kv)
         else:
             logits = next_token_logits(model, token[:, None], kv)
-    return out

@@ -10,6 +10,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 from numpitron.checkpoint import latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint
 from numpitron.checkpoint.manifest import iter_dirs
 from numpitron.checkpoint.prune import written_by_us
@@ -22,8 +24,14 @@ from numpitron.errors import UserError
 from numpitron.memory import check_fits
 from numpitron.metrics import MetricsLog
 from numpitron.pipeline_parallel.schedules import closed_form_bubble
+from numpitron.rampup import Ramp
 from numpitron.rundir import METRICS_NAME, claim_on_every_rank
 from numpitron.build import build_trainer
+from numpitron.trainer import PlainStep
+
+# A run that overflows is caught below and told in one line ("training diverged"): NumPy's
+# own RuntimeWarnings about the same overflow, one per kernel, would only come before it.
+QUIET = dict(over="ignore", invalid="ignore", divide="ignore")
 
 
 def prepare_data_on_ranks(topo, data_dir: Path, input_path=None) -> dict:
@@ -36,9 +44,9 @@ def prepare_data_on_ranks(topo, data_dir: Path, input_path=None) -> dict:
 
 
 def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=False,
-          progress=True, input_path=None, overwrite=False, run_config: str | None = None) -> dict:
+          progress=True, input_path=None, overwrite=False, run_config: str | None = None, reseed=False) -> dict:
     """run_config: the resolved flags as TOML, written to OUT_DIR/config.toml once the
-    directory is claimed and any checkpoint resumed. The progress is a bar on a terminal, else a line per log interval."""
+    directory is claimed and any checkpoint resumed. reseed: resume with another seed. The progress is a bar on a terminal, else a line per log interval."""
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     paths = prepare_data_on_ranks(topo, data_dir, input_path)
     tokenizer, splits = on_every_rank(topo.world, lambda: load_prepared(paths, model_cfg.seq_len))
@@ -50,7 +58,7 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
     ckpt_root = out_dir / "checkpoints"
     best_ckpt = None
     if resume:
-        if not resume_from_latest(ckpt_root, trainer, train_cfg, tokenizer):
+        if not resume_from_latest(ckpt_root, trainer, train_cfg, tokenizer, reseed):
             if lock is not None:
                 lock.release()
             return {"iterations": trainer.iteration, "trained": 0, "trainer": trainer}
@@ -70,13 +78,16 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
         print(f"model: {sum(int(math.prod(p.logical_shape)) for p in trainer.model.parameters())} parameters on stage 0; "
               f"{trainer.num_microbatches} micro-batches of {train_cfg.micro_batch_size} per dp rank", flush=True)
     first_iteration = trainer.iteration
+    skips = None if isinstance(trainer.step_rule, PlainStep) else SkippedSteps(trainer.scaler)
     bar = _progress_bar(trainer.iteration, train_cfg.max_iters, progress and topo.is_logger and sys.stdout.isatty())
     plain = progress and bar is None
     start, last_eval = time.perf_counter(), {}
     while trainer.iteration < train_cfg.max_iters:
         topo.stats.reset()
         t0 = time.perf_counter()
-        step = trainer.train_step(splits["train"])
+        scale = trainer.step_rule.loss_scale             # this step's, before the scaler changes it
+        with np.errstate(**QUIET):
+            step = trainer.train_step(splits["train"])
         dt = time.perf_counter() - t0
         it = trainer.iteration          # iterations completed
         record = {"iter": it, **step, "global_batch_size": trainer.global_batch_size,
@@ -91,12 +102,15 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
                                                           trainer.num_microbatches, trainer.parallel_cfg.virtual_stages)
             record["peak_in_flight"] = trainer.last_pipeline_stats.peak_in_flight
             record["peak_activation_bytes"] = trainer.last_pipeline_stats.peak_activation_bytes
-        if not math.isfinite(step["train_loss"]):
-            raise UserError(f"training diverged at iteration {it}: loss is {step['train_loss']}")
+        check_diverged(it, step, skips is None)
+        if skips is not None:
+            skips.record(it, step, scale, last=it == train_cfg.max_iters)
         is_eval = it % train_cfg.eval_interval == 0 or it == train_cfg.max_iters
         improved = False
         if is_eval:
-            last_eval = trainer.evaluate(splits, train_cfg.eval_iters)
+            with np.errstate(**QUIET):
+                last_eval = trainer.evaluate(splits, train_cfg.eval_iters)
+            check_diverged(it, {"validation loss": last_eval["val"]})
             record.update(val_loss=last_eval["val"], eval_train_loss=last_eval["train"])
             improved = last_eval["val"] < trainer.best_val_loss
             trainer.best_val_loss = min(trainer.best_val_loss, last_eval["val"])
@@ -118,10 +132,59 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
             "train_loss": last_eval.get("train"), "elapsed_s": time.perf_counter() - start, "trainer": trainer}
 
 
-def resume_from_latest(ckpt_root: Path, trainer, train_cfg, tokenizer) -> bool:
+def check_diverged(iteration: int, step: dict, applied_every_step: bool = False) -> None:
+    """One line, before anything is saved, once a number that training needs finite is not:
+    the loss, the validation loss, or (for a step that applies every update, where a
+    mixed-precision run would skip it) the gradient norm the update was clipped by."""
+    named = {"train_loss": "loss", "validation loss": "validation loss"}
+    checked = {named[k]: v for k, v in step.items() if k in named}
+    if applied_every_step:
+        checked["gradient norm"] = step["grad_norm"]
+    for what, value in checked.items():
+        if not math.isfinite(value):
+            raise UserError(f"training diverged at iteration {iteration}: {what} is {value}")
+
+
+class SkippedSteps:
+    """A mixed-precision step whose gradients overflow is skipped (its norm is not finite)
+    and fp16's loss scale halved. Two cases no scale mends end the run in one line: STALLED
+    steps in a row overflowing with no lower scale to try (fp16 at 1; bf16 and FP8 never
+    scale), and a run whose every step was skipped (a --loss-scale far too large), found
+    before its final save."""
+
+    STALLED = 10
+
+    def __init__(self, scaler):
+        self.scaler, self.first_scale = scaler, scaler.scale
+        self.steps = self.skipped = self.in_a_row = 0
+
+    def record(self, iteration: int, step: dict, scale: float, last: bool) -> None:
+        self.steps += 1
+        if math.isfinite(step["grad_norm"]):
+            self.in_a_row = 0
+            return
+        self.skipped += 1
+        self.in_a_row = self.in_a_row + 1 if scale <= 1 or not self.scaler.dynamic else 0
+        if self.in_a_row == self.STALLED:
+            raise UserError(f"training diverged at iteration {iteration}: the gradients overflowed "
+                            f"{self.scaler.precision} in {self.STALLED} steps in a row at loss scale {scale:g}, with "
+                            f"no lower scale to try")
+        if last and self.skipped == self.steps:
+            raise UserError(f"every one of this run's {self.steps} steps overflowed {self.scaler.precision} and was "
+                            f"skipped (its loss scale fell from {_power(self.first_scale)} to "
+                            f"{_power(self.scaler.scale)}): start again from a smaller --loss-scale (0: the default)")
+
+
+def _power(scale: float) -> str:
+    return f"2^{int(math.log2(scale))}" if scale >= 1 else f"{scale:g}"
+
+
+def resume_from_latest(ckpt_root: Path, trainer, train_cfg, tokenizer, reseed: bool = False) -> bool:
     """Load the newest checkpoint into `trainer`; False (with a line from the logging
     rank) when it is already at --max-iters. Says so when the global batch changed, and
-    refuses a checkpoint trained with another tokenizer than the data's."""
+    refuses a checkpoint trained with another tokenizer than the data's, or (unless
+    reseed) with another seed: the seed draws every batch, so the run would go on with
+    other data than the checkpoint's run."""
     found = latest_checkpoint(ckpt_root)
     if found is None:
         raise UserError(f"--resume: no checkpoint in {ckpt_root}")
@@ -130,6 +193,10 @@ def resume_from_latest(ckpt_root: Path, trainer, train_cfg, tokenizer) -> bool:
     if saved_tokenizer is not None and saved_tokenizer != tokenizer.to_dict():
         raise UserError(f"--resume: {found} was trained with another tokenizer than the data's "
                         f"(e.g. imported from another corpus); its token ids would mean other characters")
+    saved_seed = (manifest.get("train_config") or {}).get("seed")
+    if isinstance(saved_seed, int) and saved_seed != train_cfg.seed and not reseed:
+        raise UserError(f"--resume: {found} was trained with --seed {saved_seed}, and --seed {train_cfg.seed} would "
+                        f"draw other batches from here on: pass --seed {saved_seed}, or --reseed to change them")
     if trainer.iteration > train_cfg.max_iters:
         raise UserError(f"--resume: {found} is at iteration {trainer.iteration}, past --max-iters "
                         f"{train_cfg.max_iters}: raise --max-iters to train further")
@@ -152,15 +219,41 @@ def check_eval_iters(train_cfg, global_batch: int, seq_len: int, splits: dict) -
 
 
 def batch_change_note(manifest: dict, trainer) -> str | None:
-    """A line if the global batch differs from the one the checkpoint trained with (a
-    default global batch follows dp, so resuming on another mesh changes it)."""
-    saved_train, saved_mesh = manifest.get("train_config") or {}, manifest.get("mesh") or {}
-    saved = saved_train.get("global_batch_size") or saved_train.get("micro_batch_size", 0) * saved_mesh.get("data", 0)
-    now = trainer.global_batch_size
-    if not isinstance(saved, int) or saved <= 0 or saved == now:
+    """A line if the global batches from the resumed iteration on differ from those the
+    checkpoint's run would have taken: another global batch (a default one follows dp, so
+    another mesh changes it), or a batch-size ramp added, dropped or changed before it
+    was done."""
+    saved = saved_batch_schedule(manifest)
+    if saved is None:
         return None
-    return (f"note: the global batch is now {now} sequences, the checkpoint trained with {saved}: "
-            f"pass --global-batch-size {saved} to continue its trajectory")
+    target, ramp = saved
+    it, cfg, dp = trainer.iteration, trainer.train_cfg, trainer.topo.dp
+    then = Ramp(*ramp, target).at(it) if ramp else target        # the batch the saved run takes next
+    now, now_target = cfg.global_batch_at(it, dp), cfg.global_batch(dp)
+    ramp_left = then != target                                    # the saved run was still ramping up
+    if now_target == target and (tuple(cfg.rampup_batch_size) == ramp if ramp_left else now == target):
+        return None
+    flags = f"--global-batch-size {target}" + (" --rampup-batch-size {} {} {}".format(*ramp) if ramp_left else
+                                               " without --rampup-batch-size" if now != now_target else "")
+    saved_run = f"the checkpoint's run would take {then}" if ramp_left else f"the checkpoint trained with {then}"
+    head = (f"the global batch is now {now} sequences, {saved_run}" if now != then else
+            "from here the global batch ramps up otherwise than in the checkpoint's run")
+    return f"note: {head}: pass {flags} to continue its trajectory"
+
+
+def saved_batch_schedule(manifest: dict) -> tuple[int, tuple] | None:
+    """(global batch, ramp) a checkpoint's run trained with, or None if it does not say
+    (an import) or says something no run could have used."""
+    saved_train, saved_mesh = manifest.get("train_config") or {}, manifest.get("mesh") or {}
+    try:
+        target = saved_train.get("global_batch_size") or saved_train.get("micro_batch_size", 0) * saved_mesh.get("data", 0)
+        ramp = tuple(saved_train.get("rampup_batch_size") or ())
+    except (AttributeError, TypeError):
+        return None
+    whole = all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (target, *ramp))
+    if not whole or len(ramp) not in (0, 3) or (ramp and ramp[0] > target):
+        return None
+    return target, ramp
 
 
 def checkpoint_reason(iteration: int, improved: bool, train_cfg) -> str | None:

@@ -111,7 +111,9 @@ def edit_latest_manifest(out, edit):
 def test_sizes_no_host_has_are_one_line_before_anything_is_allocated(data_dir, copy):
     sample = ["--out-dir", str(copy)]
     before = snapshot(copy)
-    one_line(run(sample + ["--max-new-tokens", str(10**12)], script="sample.py", nprocs=2), "GiB per rank")
+    # Several samples keep every token (one is streamed and keeps only the model's window).
+    one_line(run(sample + ["--max-new-tokens", str(10**12), "--num-samples", "2"], script="sample.py", nprocs=2),
+             "GiB per rank")
     one_line(run(sample + ["--num-samples", str(10**12)], script="sample.py"), "GiB per rank")
     edit_latest_manifest(copy, lambda m: m["tensors"]["ln_f.weight"].update(shape=[10**12], full_shape=[10**12]))
     before = snapshot(copy)
@@ -124,10 +126,12 @@ def test_sizes_no_host_has_are_one_line_before_anything_is_allocated(data_dir, c
     ("train_shakespeare.py", ["--blas-threads", "0"], "--blas-threads must be positive"),
     ("train_shakespeare.py", ["--blas-threads", "-3"], "--blas-threads must be positive"),
     ("train_shakespeare.py", ["--collective-timeout", "nan"], "--collective-timeout must be"),
+    ("train_shakespeare.py", ["--collective-timeout", "0.001"], "or a finite number of seconds >= 1, got 0.001"),
+    ("sample.py", ["--collective-timeout", "0.5"], "--collective-timeout must be 0 (wait forever) or"),
     ("train_shakespeare.py", ["--eval-iters", str(10**9)], "distinct ones the smaller split holds"),
     ("sample.py", ["--temperature", "nan"], "--temperature must be a finite number"),
     ("sample.py", ["--seed", "-1"], "--seed must not be negative"),
-], ids=["blas-0", "blas-negative", "timeout-nan", "eval-iters", "temperature-nan", "sample-seed"])
+], ids=["blas-0", "blas-negative", "timeout-nan", "timeout-tiny", "sample-timeout-tiny", "eval-iters", "temperature-nan", "sample-seed"])
 def test_flags_that_make_no_sense_are_one_line(data_dir, copy, script, flags, fragment):
     before = snapshot(copy)
     args = (TINY + ["--data-dir", str(data_dir), "--max-iters", "6", "--resume"] if script == "train_shakespeare.py"
@@ -166,6 +170,25 @@ def test_resuming_says_when_the_batch_changes_and_when_there_is_nothing_to_train
     notes = [line for line in wider.stdout.splitlines() if "global batch" in line]
     assert notes == ["note: the global batch is now 8 sequences, the checkpoint trained with 4: "
                      "pass --global-batch-size 4 to continue its trajectory"], wider.stdout
+
+
+def test_resuming_with_another_seed_is_refused_unless_asked_for(data_dir, copy):
+    """The seed draws every batch: resumed with another one (a flag, or an edited
+    config.toml), the run went on with other data than the checkpoint's, without a word."""
+    before = snapshot(copy)
+    one_line(train(data_dir, copy, "--max-iters", "6", "--resume", "--seed", "99"),
+             "iter_000004 was trained with --seed 1337, and --seed 99 would draw other batches from here on: "
+             "pass --seed 1337, or --reseed to change them")
+    edited = copy / "edited.toml"
+    edited.write_text((copy / "config.toml").read_text().replace("seed = 1337", "seed = 5"))
+    before[edited.name] = snapshot(copy)[edited.name]
+    one_line(run(["--config", str(edited), "--out-dir", str(copy), "--max-iters", "6", "--resume"]),
+             "was trained with --seed 1337")
+    assert snapshot(copy) == before
+    asked = train(data_dir, copy, "--max-iters", "6", "--resume", "--seed", "99", "--reseed")
+    assert asked.returncode == 0 and asked.stderr == "", asked.stderr
+    config = (copy / "config.toml").read_text()
+    assert "seed = 99" in config and "reseed" not in config
 
 
 def test_a_second_job_in_a_used_directory_is_refused_naming_the_first(data_dir, copy):

@@ -1,8 +1,11 @@
 """Generation: the KV cache gives the logits of a full forward, the same seed gives
 the same text, and sampling on any tp x pp x dp mesh gives the text of one process."""
 
+import os
+import select
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -11,7 +14,7 @@ from mpi4py import MPI
 from numpitron.checkpoint import save_checkpoint
 from numpitron.data.tokenizer import CharTokenizer
 from numpitron.distributed.topology import Topology
-from numpitron.generate import generate, new_kv_cache, next_token_logits
+from numpitron.generate import generate, new_kv_cache, next_token_logits, stream
 from numpitron.build import build_stage
 from tests.conftest import REPO
 from tests.harness import make_trainer, tiny_model, tiny_tokens, tiny_train
@@ -100,3 +103,34 @@ def test_greedy_and_seeded_samples_on_a_mesh_are_those_of_one_process(mesh):
         got = generated_on(cfg, Topology.from_world(**mesh), **options)
         everyone = MPI.COMM_WORLD.allgather(got)
         assert all(np.array_equal(g, expected) for g in everyone), options
+        if options.get("num_samples") == 1:      # streamed, token by token, on every rank
+            model = build_stage(cfg, Topology.from_world(**mesh), seed=3)
+            streamed = list(stream(model, [1, 2, 3], 2 * cfg.seq_len, seed=5, **options_without(options)))
+            assert all(s == list(expected[0, 3:]) for s in MPI.COMM_WORLD.allgather(streamed))
+
+
+def options_without(options, key="num_samples"):
+    return {k: v for k, v in options.items() if k != key}
+
+
+def test_one_sample_is_printed_as_it_is_drawn_and_as_before(checkpoint):
+    """`sample.py --max-new-tokens 1000000000` printed nothing until it was done (and kept
+    every token): one sample now streams, keeping the model's window only, and prints the
+    text the batch of samples gives for it."""
+    first = sample(checkpoint).split("\n---------------\n")[0]
+    assert sample(checkpoint, 1, 1, 1, "--num-samples", "1") == first + "\n"
+    assert sample(checkpoint, 1, 1, 2, "--num-samples", "1") == first + "\n"     # dp = 2: printed once
+    cmd = [sys.executable, str(REPO / "sample.py"), "--checkpoint", str(checkpoint), "--prompt", "123",
+           "--max-new-tokens", str(10**9)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        text, deadline = b"", time.monotonic() + 60
+        while len(text) < 20 and time.monotonic() < deadline and select.select([proc.stdout], [], [], 1)[0]:
+            text += os.read(proc.stdout.fileno(), 100) or b"!"          # "!": the end of the output
+        assert text.startswith(b"123") and len(text) >= 20 and b"!" not in text and proc.poll() is None, (text, proc.poll())
+        proc.stdout.close()                 # the reader leaves, as `| head` does: no traceback
+        assert proc.wait(timeout=60) == 1 and proc.stderr.read() == b""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -115,3 +115,20 @@ def test_a_bf16_checkpoint_loads_into_fp32_and_fp16_on_other_meshes_and_an_fp32_
     checks.update({f"bf16 from fp32 on dp2 zero2: {k}": v for k, v in loaded_as_saved(fp32_saved, target).items()})
     checks["bf16 from fp32 continues"] = bool(np.all(np.isfinite([r["train_loss"] for r in steps(target, 2)])))
     assert_on_every_rank(checks)
+
+
+def test_a_float32_checkpoint_of_any_precision_resumes_in_float64_exactly_and_not_the_other_way(tmp_path):
+    """docs/16 promised it and the loader refused it ("dtype float32 != float64"): widening
+    is exact, so the float64 run holds the very numbers saved; narrowing would round them."""
+    source = make_trainer(MODEL, train_cfg(precision="bf16"), Topology.serial())
+    steps(source, 3)
+    saved, path = full_state(source), save_checkpoint(tmp_path / "bf16", source)
+    wide = make_trainer(tiny_model("float64", **SMALLER), train_cfg(), Topology.serial())
+    load_checkpoint(path, wide)
+    loaded = full_state(wide)
+    assert all(loaded[kind][name].dtype == np.float64 and np.array_equal(saved[kind][name], loaded[kind][name])
+               for kind in saved for name in saved[kind])
+    assert wide.iteration == 3 and np.isfinite(steps(wide, 1)[0]["train_loss"])
+    narrow = make_trainer(MODEL, train_cfg(), Topology.serial())
+    with pytest.raises(UserError, match=r"dtype float64 != float32 \(it would round the saved weights\)"):
+        load_checkpoint(save_checkpoint(tmp_path / "float64", wide), narrow)

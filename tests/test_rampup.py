@@ -129,3 +129,44 @@ def test_a_ramp_that_starts_below_what_a_v_shaped_schedule_needs_is_one_line():
         check_layout(model, short, resolve_mesh(2, 1, 2, None), v_shape)
     enough = TrainConfig(micro_batch_size=1, global_batch_size=8, rampup_batch_size=(4, 2, 16)).validate()
     check_layout(model, enough, resolve_mesh(2, 1, 2, None), v_shape)
+
+
+@pytest.mark.parametrize("iteration, now, note", [
+    (4, RAMP, None),                                   # the same flags, mid-ramp: nothing changed
+    (4, dict(RAMP, rampup_batch_size=()), "the global batch is now 12 sequences, the checkpoint's run would take 8: "
+                                          "pass --global-batch-size 12 --rampup-batch-size 4 4 24"),
+    (4, dict(RAMP, rampup_batch_size=(4, 4, 48)), "the global batch is now 4 sequences, the checkpoint's run would "
+                                                  "take 8: pass --global-batch-size 12 --rampup-batch-size 4 4 24"),
+    (6, dict(RAMP, rampup_batch_size=()), None),       # the ramp was over: dropping it changes nothing
+    (6, dict(RAMP, global_batch_size=16, rampup_batch_size=()), "the global batch is now 16 sequences, the "
+                                                                "checkpoint trained with 12: pass --global-batch-size 12"),
+])
+def test_a_resume_notes_a_changed_ramp_and_only_then(iteration, now, note):
+    """Every resume of a ramped run used to say "pass --global-batch-size 12" (it compared
+    the ramp's first batch with the target); one that dropped the ramp said nothing."""
+    from numpitron.config import to_dict
+    from numpitron.train import batch_change_note
+    model = tiny_model(**SMALLER)
+    manifest = {"train_config": to_dict(tiny_train(**RAMP)), "mesh": {"data": 1}}
+    trainer = make_trainer(model, tiny_train(**now), Topology.serial())
+    trainer.iteration = iteration
+    said = batch_change_note(manifest, trainer)
+    assert (said is None) if note is None else (said == f"note: {note} to continue its trajectory"), said
+
+
+def test_a_ramp_added_on_resume_is_noted():
+    from numpitron.config import to_dict
+    from numpitron.train import batch_change_note
+    plain = {"train_config": to_dict(tiny_train(global_batch_size=12)), "mesh": {"data": 1}}
+    trainer = make_trainer(tiny_model(**SMALLER), tiny_train(**RAMP), Topology.serial())
+    trainer.iteration = 2
+    assert batch_change_note(plain, trainer) == ("note: the global batch is now 4 sequences, the checkpoint trained "
+                                                 "with 12: pass --global-batch-size 12 without --rampup-batch-size "
+                                                 "to continue its trajectory")
+
+
+def test_resuming_a_ramped_run_with_its_own_flags_says_nothing_about_the_batch(data_dir, tmp_path):
+    out, flags = tmp_path / "out", ["--global-batch-size", "16", "--rampup-batch-size", "4", "4", "48"]
+    assert train_script(data_dir, out, "--max-iters", "4", "--save-interval", "2", *flags).returncode == 0
+    again = train_script(data_dir, out, "--max-iters", "6", "--resume", *flags)
+    assert again.returncode == 0 and "global batch" not in again.stdout + again.stderr, again.stdout

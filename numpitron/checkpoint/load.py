@@ -58,16 +58,25 @@ def manifest_model_config(manifest: dict, path) -> ModelConfig:
         raise UserError(f"corrupt checkpoint manifest in {path}: {error}") from None
 
 
+# (saved, loading into) dtypes that hold every saved number exactly: a float32 checkpoint
+# (every precision's: mixed runs save their fp32 master weights) loads into a float64 run.
+# The other way would round every weight and moment, so it stays a difference.
+EXACT_DTYPES = {("float32", "float64")}
+
+
 def check_model_config(manifest: dict, model_cfg: ModelConfig) -> None:
     """One UserError listing every field where the checkpoint and the flags disagree."""
     saved = manifest["model_config"]
     differing = []
     for field in fields(ModelConfig):
         stored, current = saved.get(field.name, field.default), getattr(model_cfg, field.name)
+        if field.name == "dtype" and (stored, current) in EXACT_DTYPES:
+            continue
         if type(stored) is not type(current):
             differing.append(f"{field.name} is {stored!r} ({type(stored).__name__}), expected a {type(current).__name__}")
         elif stored != current:
-            differing.append(f"{field.name} {stored} != {current}")
+            why = " (it would round the saved weights)" if field.name == "dtype" else ""
+            differing.append(f"{field.name} {stored} != {current}{why}")
     if differing:
         raise UserError(f"checkpoint model config differs from the flags: {', '.join(differing)}")
 

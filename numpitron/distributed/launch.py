@@ -10,10 +10,12 @@ An exception on one mpi4py rank leaves the others waiting in a collective foreve
   at most AGREE_S: then rank 0 prints the line and every rank exits normally, so MPI
   finalizes and cleans up after itself (an aborted MPICH job leaves a shared-memory
   segment in /dev/shm behind). A rank that fails alone prints and aborts the world;
+* the reader of our output gone (a broken pipe) ends the job without a word;
 * anything else is a bug: the failing rank prints its traceback, tagged with its
   rank, and aborts the world.
 """
 
+import os
 import signal
 import sys
 import time
@@ -45,6 +47,8 @@ def run_main(main, argv=None) -> int:
         _fail(failures, "", is_user_error=True)
     except KeyboardInterrupt:
         _abort("interrupted", is_user_error=True)
+    except BrokenPipeError:
+        _reader_gone()
     except UserError as error:
         _fail(failures, f"error: {error}", is_user_error=True)
     except BaseException:
@@ -74,6 +78,16 @@ def _fail(comm, message: str, is_user_error: bool) -> None:
     if hasattr(signal, "alarm"):
         signal.alarm(FINALIZE_S)
     sys.exit(1)
+
+
+def _reader_gone() -> None:
+    """Whoever read our output has gone (`python sample.py | head`): end quietly, as a
+    command that SIGPIPE ends does, with no traceback and no message. Standard output
+    points to /dev/null so that no later flush fails again; the other ranks, perhaps in a
+    collective, are ended by the launcher once this process exits."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if world_rank_and_size()[1] > 1:
+        os._exit(1)
 
 
 def _abort(message: str, is_user_error: bool) -> None:

@@ -19,6 +19,9 @@ import threading
 import time
 
 DEFAULT_TIMEOUT_S = 300.0
+# The shortest deadline a run may ask for (0 aside): below it a rank that is merely busy,
+# or descheduled on a shared machine, would be taken for a lost peer.
+MIN_TIMEOUT_S = 1.0
 OUTPUT_DRAIN_S = 0.3        # let the launcher forward the line before the job is torn down
 
 
