@@ -130,6 +130,31 @@ CASES = [
         ("beside 3.1 MiB of parameters", 3.1, 0.05, lambda r: r["stages"][0]["params"] / 2**20)]),
 ]
 
+def state_mib(r):
+    """A rank's parameters, gradients, optimizer state and in-pass buffers: chapter 7's bars."""
+    s = r["stages"][0]
+    return sum(s[k] for k in ("params", "grads", "optimizer_state", "gathered_params_peak",
+                              "backward_grads_peak")) / 2**20
+
+
+MUON = "--data-parallel-size 2 --zero-stage 1 --micro-batch-size 6 --global-batch-size 12"
+CASES += [
+    ("07-zero-2-and-3.md", "--data-parallel-size 4 --zero-stage 2", [
+        ("prints 8.50 MiB for ZeRO-2", 8.50, 0.005, state_mib)]),
+    ("07-zero-2-and-3.md", "--data-parallel-size 4 --zero-stage 3", [
+        ("and 6.24 MiB for ZeRO-3", 6.24, 0.005, state_mib)]),
+]
+for page, step, ns, adam in (("07-zero-2-and-3.md", "predicts 54 ms a step", "15 of them in Newton-Schulz",
+                              "against 40 ms with AdamW: c = 1.37"),
+                             ("appendix-a-speed-on-a-cpu.md", "and 54 ms with `--optimizer muon`",
+                              "15 ms of it in the busiest owner's iterations", "predicts 40 ms a step with AdamW")):
+    CASES += [(page, f"{MUON} --optimizer muon", [
+        (step, 54, 0.5, lambda r: 1e3 * r["step_s"]), (ns, 15, 0.5, stage("newton_schulz"))]),
+              (page, MUON, [(adam, 40, 0.5, lambda r: 1e3 * r["step_s"])])]
+CASES.append(("07-zero-2-and-3.md", f"{MUON} --optimizer muon", [
+    ("c = 1.37", 1.37, 0.005, lambda r: r["step_s"] / planned(MUON)["step_s"])]))
+
+
 TABLE_12 = [  # layout flags, the row's exposed communication and bubble (s) as chapter 12 writes them
     ("--tensor-parallel-size 8 --data-parallel-size 32", "| t = 8 (the paper's) | 4.0 s | 1.7 s | 0 |", 1.7, 0),
     ("--tensor-parallel-size 16 --data-parallel-size 16", "| t = 16, across two nodes | 4.0 s | 5.3 s | 0 |", 5.3, 0),
