@@ -111,11 +111,11 @@ CASES = [
          ("3/67 of the step", 3 / 67, 1e-9, lambda r: r["bubble"]),
          ("forty times what the messages cost", 40, 2, lambda r: stage("bubble")(r) / stage("exposed_comm")(r))]),
     ("05-pipeline-parallelism.md", "--pipeline-parallel-size 4 --micro-batch-size 4 --global-batch-size 32", [
-        (f"gives 8.8, 6.6, 4.4 and 2.5 MiB under 1F1B", v, 0.05, activations(s))
+        ("gives 8.8, 6.6, 4.4 and 2.5 MiB under 1F1B", v, 0.05, activations(s))
         for s, v in enumerate((8.8, 6.6, 4.4, 2.5))]),
     ("05-pipeline-parallelism.md", "--pipeline-parallel-size 4 --micro-batch-size 4 --global-batch-size 32 "
      "--pipeline-schedule gpipe", [
-         (f"17.6, 17.6, 17.6 and 20.1 MiB under GPipe", v, 0.05, activations(s))
+         ("17.6, 17.6, 17.6 and 20.1 MiB under GPipe", v, 0.05, activations(s))
          for s, v in enumerate((17.6, 17.6, 17.6, 20.1))]),
     ("06-zero.md", GPT_1_3B + " --data-parallel-size 32 --micro-batch-size 1 --global-batch-size 512", [
         ("falls from 24.4 GiB (ZeRO-0)", 24.4, 0.05, peak_gib),
