@@ -213,15 +213,18 @@ def test_a_cluster_profile_splits_the_bytes_into_two_tiers(mesh, across):
     stage = result["stages"][0]
     whole_world = ["model", "world", "embedding"] if mesh[0] * mesh[1] * mesh[2] * mesh[3] > 2 else []
     inter = sum(v for k, v in stage["comm_bytes"].items() if k.split(".")[0] in across + whole_world)
-    assert stage["tiers"].get("inter", {}).get("bytes", 0.0) == pytest.approx(inter)
+    total = sum(stage["comm_bytes"].values())
     hierarchical = {(1, 1, 4, 1): "dp_cp.all_reduce", (4, 1, 1, 1): "tp.all_reduce"}.get(mesh)
     inter_seconds = inter / 1e7                 # one rank of each group a host: the whole ring crosses
-    if hierarchical:     # two ranks a host: each sends half the buffer's share across (links.link_time)
+    if hierarchical:     # two ranks a host: half the buffer inside it, half its share across (links.link_parts)
         ring = stage["comm_bytes"][hierarchical]
         buffer = ring * 4 / 3
-        inter_seconds += buffer / 2 / 1e8 + buffer / 2 / 2 / 1e7 - ring / 1e7
+        inter += buffer / 2 / 2 - ring
+        total += buffer / 2 + buffer / 2 / 2 - ring
+        inter_seconds += buffer / 2 / 2 / 1e7 - ring / 1e7
+    assert stage["tiers"].get("inter", {}).get("bytes", 0.0) == pytest.approx(inter)
     assert stage["tiers"].get("inter", {}).get("seconds", 0.0) == pytest.approx(inter_seconds)
-    assert sum(t["bytes"] for t in stage["tiers"].values()) == pytest.approx(sum(stage["comm_bytes"].values()))
+    assert sum(t["bytes"] for t in stage["tiers"].values()) == pytest.approx(total)
 
 
 @pytest.mark.parametrize("stage, split", [(0, {"intra": 1.0}), (1, {"intra": 0.5, "inter": 0.5}),
@@ -387,7 +390,9 @@ def test_a_hierarchical_call_pays_each_tiers_alpha_for_its_ranks_there():
     cluster = replace(load_device("this-machine"), ranks_per_host=2, intra_bandwidth=1e30, inter_bandwidth=1e30,
                       intra_latency=1e-3, inter_latency=1e-2, cores_per_node=0)
     result = plan(ModelConfig(), ParallelConfig(), TrainConfig(micro_batch_size=3), (1, 1, 4, 1), cluster)
-    assert result["stages"][0]["tiers"]["inter"]["seconds"] == pytest.approx(2 * (2 * 1e-3 + 2 * 1e-2))
+    tiers = result["stages"][0]["tiers"]
+    assert tiers["inter"]["seconds"] == pytest.approx(2 * 2 * 1e-2)
+    assert tiers["intra"]["seconds"] == pytest.approx(2 * 2 * 1e-3)
 
 
 def test_the_link_fit_recovers_alpha_and_beta_from_noisy_all_reduces():

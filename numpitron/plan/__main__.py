@@ -143,8 +143,10 @@ def report(result: dict) -> str:
             ns = s["newton_schulz"]
             lines.append(f"    Muon: Newton-Schulz {ns['flops_total']:.3e} FLOPs over {len(ns['owner_flops'])} owners, "
                          f"busiest {max(ns['owner_flops']):.3e} (x{ns['imbalance']:.2f} the mean)")
-        lines.append("    bytes per iteration: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in s["comm_bytes"].items()))
-        lines.append("    per tier: " + ", ".join(f"{tier}-host {v['bytes'] / 2**20:.2f} MiB in {1e3 * v['seconds']:.2f} ms"
+        lines.append("    bytes per iteration, as a flat ring sends them: "
+                     + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in s["comm_bytes"].items()))
+        lines.append("    per tier, as priced" + (" (hierarchical across hosts)" if result["groups_across_hosts"] else "")
+                     + ": " + ", ".join(f"{tier}-host {v['bytes'] / 2**20:.2f} MiB in {1e3 * v['seconds']:.2f} ms"
                                                  for tier, v in sorted(s["tiers"].items()))
                      + f"; groups across hosts: {', '.join(result['groups_across_hosts']) or 'none'}")
         lines.append(f"    time: matmul {1e3 * t['matmul']:.1f} ms, element-wise {1e3 * t['elementwise']:.1f} ms, "

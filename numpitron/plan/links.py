@@ -5,9 +5,9 @@ traffic costs on links.
 Ranks fill hosts in order (devices.Device.host_size), so a group of consecutive ranks
 stays on one host when the ranks it spans divide a host's: tp spans tp ranks, cp
 tp x cp, dp tp x cp x dp, pp all of them. Such a group uses the intra-host tier, any
-other the inter-host one, and a collective that crosses hosts runs hierarchically
-(link_time). Sends and receives go to each neighbour over the tier that reaches it;
-on a full-duplex link (Device.full_duplex) a ring's send and receive travel at once
+other the inter-host one, and a collective that crosses hosts runs hierarchically, its
+bytes split between the two tiers (link_parts). Sends and receives go to each
+neighbour over the tier that reaches it; on a full-duplex link (Device.full_duplex) a ring's send and receive travel at once
 (point_to_point_time), and a pipeline's messages cost what they add to the schedule's
 timeline (pipeline_transfer_time).
 """
@@ -69,28 +69,31 @@ def messages(kind: str, ranks: int) -> int:
     return 2 * (ranks - 1) if op.startswith("all_reduce") else ranks - 1
 
 
-def link_time(kind: str, nbytes: float, calls: int, mesh, device) -> float:
-    """A collective kind's seconds in one step: calls x messages x alpha + bytes / beta
-    on one tier. A collective that crosses hosts runs hierarchically (as MPICH's does):
-    its q ranks on each host reduce-scatter (or gather) among themselves, and each sends
-    only its 1/q share across the h hosts, so the inter-host tier carries (h-1)/h of the
-    buffer over q per rank, where the flat ring would have sent (g-1)/g of it; a call
+def link_parts(kind: str, nbytes: float, calls: int, mesh, device) -> dict:
+    """{tier: (bytes a rank sends on it, seconds)} of a collective kind in one step:
+    calls x messages x alpha + bytes / beta on each tier it uses. `nbytes` is the flat
+    ring's count (plan/traffic.py, what CommStats counts). A collective that crosses
+    hosts runs hierarchically (as MPICH's does): its q ranks on each host reduce-scatter
+    (or gather) among themselves, and each sends only its 1/q share across the h hosts,
+    so the inter-host tier carries (h-1)/h of the buffer over q per rank, where the flat
+    ring would have sent (g-1)/g of it, and the intra-host tier (q-1)/q of it; a call
     pays the messages of the collective over q ranks at the intra-host alpha and over h
     at the inter-host one."""
     group, size = kind.split(".")[0], group_size(kind, mesh)
     if link_tier(kind, mesh, device) == "intra":
-        return calls * messages(kind, size) * device.intra_latency + nbytes / device.intra_bandwidth
+        return {"intra": (nbytes, calls * messages(kind, size) * device.intra_latency + nbytes / device.intra_bandwidth)}
     tp, pp, dp, cp, S = mesh_sizes(mesh)
     stride = {"tp": 1, "cp": tp, "dp_cp": tp, "dp_shard": tp, "dp_replica": tp * cp * S, "ep": tp,
               "expert_dp": tp * expert_size(mesh), "expert_dp_shard": tp * expert_size(mesh)}.get(group)
     per_host = max(1, min(size, device.host_size() // stride)) if stride else 1     # the group's ranks on one host
     hosts = size // per_host
     if kind.endswith(("send", "recv", "broadcast", "all_to_all")) or per_host == 1:    # and pp, model, world
-        return calls * messages(kind, size) * device.inter_latency + nbytes / device.inter_bandwidth
+        return {"inter": (nbytes, calls * messages(kind, size) * device.inter_latency + nbytes / device.inter_bandwidth)}
     buffer = nbytes * size / (size - 1)        # bytes of the ring's formula -> the buffer times its factor
-    return (calls * (messages(kind, per_host) * device.intra_latency + messages(kind, hosts) * device.inter_latency)
-            + buffer * (per_host - 1) / per_host / device.intra_bandwidth
-            + buffer * (hosts - 1) / hosts / per_host / device.inter_bandwidth)
+    intra = buffer * (per_host - 1) / per_host
+    inter = buffer * (hosts - 1) / hosts / per_host
+    return {"intra": (intra, calls * messages(kind, per_host) * device.intra_latency + intra / device.intra_bandwidth),
+            "inter": (inter, calls * messages(kind, hosts) * device.inter_latency + inter / device.inter_bandwidth)}
 
 
 def neighbours(group: str, rank, mesh) -> dict:

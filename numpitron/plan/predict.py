@@ -55,7 +55,7 @@ from numpitron.plan.activations import peak_activation_bytes
 from numpitron.plan.experts import moe_block_work, moe_flops_delta
 from numpitron.plan.flops import hardware_flops, model_flops
 from numpitron.precision.formats import FORMATS
-from numpitron.plan.links import (expert_size, groups_across_hosts, link_tier, link_time, mesh_sizes,
+from numpitron.plan.links import (expert_size, groups_across_hosts, link_parts, link_tier, mesh_sizes,
                                   pipeline_transfer_time, point_to_point_time)
 from numpitron.plan.kernels import Work, block_work, embedding_work, head_work, optimizer_work
 from numpitron.plan.muon_cost import muon_cost, newton_schulz_work
@@ -102,18 +102,26 @@ def plan(model, parallel, train, mesh, device) -> dict:
         # On a cluster a rank waiting for a link gives its core away, so time-sharing
         # does not stretch link time (on one CPU node a "link" is a copy a core makes).
         on_links = share if device.ranks_per_host else 1.0
-        t_comm = {kind: link_time(kind, nbytes, calls[kind], mesh, device) / on_links for kind, nbytes in comm.items()
-                  if not kind.endswith((".send", ".recv"))}
+        # Each collective's bytes and seconds on the tiers it uses (a hierarchical one: both);
+        # Muon's gathers and scatters priced as one call a kind (its alpha is not counted per matrix).
+        parts = {kind: link_parts(kind, nbytes, calls[kind], mesh, device) for kind, nbytes in comm.items()
+                 if not kind.endswith((".send", ".recv"))}
+        muon_parts = {kind: link_parts(kind, nbytes, 1, mesh, device) for kind, nbytes in muon_comm.items()}
+        t_comm = {kind: sum(t for _, t in p.values()) / on_links for kind, p in parts.items()}
+        t_muon_comm = {kind: sum(t for _, t in p.values()) / on_links for kind, p in muon_parts.items()}
+        tiers = {}
+
+        def to_tier(tier, nbytes, seconds):
+            entry = tiers.setdefault(tier, {"bytes": 0.0, "seconds": 0.0})
+            entry["bytes"] += nbytes
+            entry["seconds"] += seconds
+        for p in (*parts.values(), *muon_parts.values()):
+            for tier, (nbytes, seconds) in p.items():
+                to_tier(tier, nbytes, seconds / on_links)
         for group in {kind.split(".")[0] for kind in comm if kind.endswith((".send", ".recv"))}:
             t_comm[f"{group}.send_recv"] = point_to_point_time(group, comm, calls, rank, mesh, device) / on_links
-        # Muon's gathers and scatters: priced as one call a kind (its alpha is not counted per matrix).
-        t_muon_comm = {kind: link_time(kind, nbytes, 1, mesh, device) / on_links for kind, nbytes in muon_comm.items()}
-        tiers = {}
-        for moved, seconds in ((comm, t_comm), (muon_comm, t_muon_comm)):
-            for kind, nbytes in moved.items():
-                tiers.setdefault(link_tier(kind, mesh, device), {"bytes": 0.0, "seconds": 0.0})["bytes"] += nbytes
-            for kind, t in seconds.items():          # a group's sends and receives: one .send_recv
-                tiers.setdefault(link_tier(kind, mesh, device), {"bytes": 0.0, "seconds": 0.0})["seconds"] += t
+            to_tier(link_tier(f"{group}.send", mesh, device),
+                    comm.get(f"{group}.send", 0.0) + comm.get(f"{group}.recv", 0.0), t_comm[f"{group}.send_recv"])
         exposed_per_mb = sum(t for kind, t in t_comm.items() if kind.split(".")[0] in ("tp", "cp", "pp", "ep")
                              and kind.split(".")[0] not in on_timeline) / m
         if on_timeline:
