@@ -54,6 +54,11 @@ class FileFlags:
     overwrite: bool = setting(False, "replace the run in --out-dir (its metrics.jsonl and the checkpoints this "
                                      "library wrote)")
     no_progress: bool = setting(False, "no progress bar")
+    trace: str | None = setting(None, "write a trace of some iterations to this file, for Perfetto "
+                                      "(ui.perfetto.dev): every rank's computation and communication "
+                                      "(docs/17-traces.md)", metavar="FILE.json")
+    trace_iters: str | None = setting(None, "the iterations --trace records, A to B-1 as metrics.jsonl numbers "
+                                            "them (default: the 3 after the run's first)", metavar="A:B")
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -7,6 +7,7 @@ writes metrics, and checkpoints are gathered to it (see numpitron.checkpoint).
 import math
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,9 +37,10 @@ def prepare_data_on_ranks(topo, data_dir: Path, input_path=None) -> dict:
 
 
 def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=False,
-          progress=True, input_path=None, overwrite=False, run_config: str | None = None) -> dict:
+          progress=True, input_path=None, overwrite=False, run_config: str | None = None, trace=None) -> dict:
     """run_config: the resolved flags as TOML, written to OUT_DIR/config.toml once the
-    directory is claimed and any checkpoint resumed. The progress is a bar on a terminal, else a line per log interval."""
+    directory is claimed and any checkpoint resumed. The progress is a bar on a terminal, else a line per log interval.
+    trace: a `TraceRequest` (trace/tracer.py) to install on the built trainer, or None: nothing is traced."""
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     paths = prepare_data_on_ranks(topo, data_dir, input_path)
     tokenizer, splits = on_every_rank(topo.world, lambda: load_prepared(paths, model_cfg.seq_len))
@@ -70,14 +72,18 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
         print(f"model: {sum(int(math.prod(p.logical_shape)) for p in trainer.model.parameters())} parameters on stage 0; "
               f"{trainer.num_microbatches} micro-batches of {train_cfg.micro_batch_size} per dp rank", flush=True)
     first_iteration = trainer.iteration
+    tracer = trace.install(trainer) if trace else None
     bar = _progress_bar(trainer.iteration, train_cfg.max_iters, progress and topo.is_logger and sys.stdout.isatty())
     plain = progress and bar is None
     start, last_eval = time.perf_counter(), {}
     while trainer.iteration < train_cfg.max_iters:
+        if tracer:
+            tracer.begin_iteration(trainer.iteration + 1)
         topo.stats.reset()
-        t0 = time.perf_counter()
-        step = trainer.train_step(splits["train"])
-        dt = time.perf_counter() - t0
+        with _traced(tracer, "step"):
+            t0 = time.perf_counter()
+            step = trainer.train_step(splits["train"])
+            dt = time.perf_counter() - t0
         it = trainer.iteration          # iterations completed
         record = {"iter": it, **step, "global_batch_size": trainer.global_batch_size,
                   "tokens_per_s": trainer.global_batch_size * model_cfg.seq_len / dt,
@@ -96,7 +102,8 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
         is_eval = it % train_cfg.eval_interval == 0 or it == train_cfg.max_iters
         improved = False
         if is_eval:
-            last_eval = trainer.evaluate(splits, train_cfg.eval_iters)
+            with _traced(tracer, "evaluation"):
+                last_eval = trainer.evaluate(splits, train_cfg.eval_iters)
             record.update(val_loss=last_eval["val"], eval_train_loss=last_eval["train"])
             improved = last_eval["val"] < trainer.best_val_loss
             trainer.best_val_loss = min(trainer.best_val_loss, last_eval["val"])
@@ -105,17 +112,27 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
             _report(bar, record, topo.is_logger, f"/{train_cfg.max_iters}" if plain else None)
         reason = checkpoint_reason(it, improved, train_cfg)
         if reason:
-            path = save(reason, protect=best_ckpt)
+            with _traced(tracer, "checkpoint save"):
+                path = save(reason, protect=best_ckpt)
             best_ckpt = path if reason == "best" else best_ckpt
+        if tracer:
+            tracer.end_iteration()
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
+    if tracer:
+        tracer.finish()
     if lock is not None:
         lock.release()
     return {"iterations": trainer.iteration, "trained": trainer.iteration - first_iteration,
             "val_loss": last_eval.get("val"),
             "train_loss": last_eval.get("train"), "elapsed_s": time.perf_counter() - start, "trainer": trainer}
+
+
+def _traced(tracer, name: str):
+    """A span of the trace around a part of the loop, or nothing when untraced."""
+    return tracer.span(name) if tracer else nullcontext()
 
 
 def resume_from_latest(ckpt_root: Path, trainer, train_cfg, tokenizer) -> bool:

@@ -1,0 +1,115 @@
+"""`--trace FILE.json [--trace-iters A:B]`: the loop's side of a trace. The entry point
+turns the flags into a `TraceRequest`; the loop (train.py) installs it on the built
+trainer and calls its hooks (an iteration begins and ends, a span around the step, the
+evaluation and a checkpoint save), then `finish`, on every rank: the clocks are measured
+again, rank 0 gathers every rank's recording and writes the merged file (chrome.py)."""
+
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import NamedTuple
+
+from numpitron.errors import UserError
+from numpitron.trace.chrome import merge
+from numpitron.trace.clock import measure_offsets, to_rank_zero
+from numpitron.trace.comm_probe import CommProbe
+from numpitron.trace.recorder import COMPUTE, Recorder, now
+from numpitron.trace.stage_probe import StageProbe
+
+TRACED_BY_DEFAULT = 3      # iterations, after the first of the run (which warms up)
+
+
+def parse_iterations(text: str | None) -> tuple[int, int] | None:
+    """"A:B": the iterations A, A+1, ..., B-1, numbered as metrics.jsonl numbers them."""
+    if text is None:
+        return None
+    try:
+        first, stop = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise UserError(f"--trace-iters takes A:B (iterations A to B-1, as metrics.jsonl numbers them), got {text!r}")
+    if not 1 <= first < stop:
+        raise UserError(f"--trace-iters {text}: need 1 <= A < B")
+    return first, stop
+
+
+class TraceRequest(NamedTuple):
+    path: str
+    iterations: tuple[int, int] | None = None      # None: TRACED_BY_DEFAULT after the run's first
+
+    @classmethod
+    def from_flags(cls, path: str | None, iterations: str | None):
+        if path is None:
+            if iterations is not None:
+                raise UserError("--trace-iters needs --trace FILE.json")
+            return None
+        parent = Path(path).resolve().parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise UserError(f"--trace {path}: {parent} is not a directory this process can write into")
+        return cls(path, parse_iterations(iterations))
+
+    def install(self, trainer) -> "Tracer":
+        first = trainer.iteration + 2
+        window = self.iterations or (first, first + TRACED_BY_DEFAULT)
+        return Tracer(self.path, window, trainer)
+
+
+class Tracer:
+    def __init__(self, path, window: tuple[int, int], trainer):
+        self.path, self.window, self.topo = path, window, trainer.topo
+        self.rec = Recorder()
+        self.clock_before = measure_offsets(self.topo.world)       # before any wrapper: it records nothing
+        self.comm, self.stage = CommProbe(self.rec, self.topo), StageProbe(self.rec, trainer)
+        self.comm.install()
+        self.stage.install()
+
+    def begin_iteration(self, iteration: int) -> None:
+        """`iteration`: the number metrics.jsonl will give the step about to run."""
+        self.rec.iteration = iteration
+        self.rec.active = self.window[0] <= iteration < self.window[1]
+
+    def end_iteration(self) -> None:
+        self.rec.active = False
+
+    @contextmanager
+    def span(self, name: str):
+        """A span of the loop: "step", "evaluation" or "checkpoint save"."""
+        rec = self.rec
+        if not rec.active:
+            yield
+            return
+        rec.phase = "eval" if name == "evaluation" else "train"
+        start = now()
+        try:
+            yield
+        finally:
+            rec.add(name, "step" if name == "step" else "loop", COMPUTE, start, now(), {"iteration": rec.iteration})
+            rec.phase = "train"
+
+    def finish(self) -> None:
+        """Collective: measure the clocks again, gather, and rank 0 writes the file."""
+        self.rec.active = False
+        for span in self.rec.spans:          # in flight but never waited for: ends where it started
+            if span[4] is None:
+                span[4] = span[3]
+            if span[1] == "comm" and not span[5]["blocking"]:
+                span[5]["hidden_ms"] = max(0.0, (span[4] - span[3]) * 1e3 - span[5]["waited_ms"])
+        topo = self.topo
+        self.comm.uninstall()
+        self.stage.uninstall()
+        clock_after = measure_offsets(topo.world)
+        record = {"rank": topo.rank, "host": topo.hostnames[topo.rank], "spans": self.rec.spans,
+                  "flows": self.rec.flows, "coords": {"pp": topo.pp_rank, "dp": topo.dp_rank, "cp": topo.cp_rank,
+                                                      "tp": topo.tp_rank}}
+        records = topo.world.gather_object(record)
+        if topo.rank != 0:
+            return
+        clocks = [to_rank_zero(b, a) for b, a in zip(self.clock_before, clock_after)]
+        other = {"iterations": list(range(*self.window)), "mesh": dict(topo.mesh._asdict()),
+                 "clock": {"method": "ping-pong against rank 0, shortest of 8 round trips; error bound = half of it",
+                           "offset_us": [[round(b["offset_s"] * 1e6, 3), round(a["offset_s"] * 1e6, 3)]
+                                         for b, a in zip(self.clock_before, clock_after)],
+                           "error_us": [[round(b["error_s"] * 1e6, 3), round(a["error_s"] * 1e6, 3)]
+                                        for b, a in zip(self.clock_before, clock_after)]}}
+        trace = merge(records, clocks, self.clock_before[0]["at"], other)
+        Path(self.path).write_text(json.dumps(trace))
