@@ -94,11 +94,14 @@ def test_the_traced_step_is_the_measured_step(traced, layout):
 
 
 def test_the_pipeline_idle_share_is_the_executors_bubble(traced):
-    """The trace's bubble takes the phase from `begin_step`, the executor's from its own
-    start: the batch's preparation (tens of microseconds of a step of tens of
-    milliseconds) and the probe's look-up of each operation's micro-batch fall between,
-    so they may differ by a few tenths of a percent; 2 points leaves room for a loaded
-    machine."""
+    """Both measure the schedule's operations against its wall time. The trace's clock
+    starts at the first receive or operation, the executor's a few microseconds before
+    (it builds its list and executor first), and stops at the gradients' finalisation,
+    a few microseconds after the executor's; each operation's span starts a call later
+    and ends a return earlier (about a microsecond each). So on a quiet machine they
+    agree to better than 0.1 point of a step of tens of milliseconds; a loaded machine
+    that suspends a rank inside those few microseconds moves one of them alone, and the
+    2 points leave room for a suspension of ~1 ms."""
     from numpitron.trace.summary import summarize
     trace, rows, _ = traced("pp2")
     measured = {r["iteration"]: r["bubble"] for r in summarize(trace) if r["rank"] == 0}

@@ -67,15 +67,9 @@ class CommProbe:
         world = self.topo.world.mpi.Get_group()
         return MPI.Group.Translate_ranks(comm.mpi.Get_group(), list(range(comm.size)), world)
 
-    def _name_and_bytes(self, comm, method: str):
-        name = self.counted[0][0] if self.counted else f"{comm.name}.{method}"
-        return name, sum(nbytes for _, nbytes in self.counted)
-
-    def _arrow(self, group: str, method: str, comm, world_of, args, kwargs) -> tuple | None:
-        """The key both ends of a message compute alike: (group, sender, receiver, tag, k),
-        the k-th such message (MPI keeps their order)."""
-        if method not in PEER:
-            return None
+    def _arrow(self, group: str, method: str, world_of, args, kwargs) -> tuple:
+        """The key both ends of a message compute alike, (group, sender, receiver, tag, k)
+        for the k-th such message (MPI keeps their order), and which end this is."""
         peer = kwargs.get(PEER[method], args[1] if len(args) > 1 else None)
         tag = kwargs.get("tag", args[2] if len(args) > 2 else 0)
         me, other = self.topo.rank, world_of[peer]
@@ -85,7 +79,8 @@ class CommProbe:
         return base + (k,), "out" if src == me else "in"
 
     def _wrap(self, comm, group: str, method: str, call, world_of):
-        rec, starting = self.rec, method in STARTING
+        rec, starting, message = self.rec, method in STARTING, method in PEER
+        track = group + IN_FLIGHT if starting else group
 
         def traced(*args, **kwargs):
             if not rec.active or self.busy:
@@ -98,14 +93,14 @@ class CommProbe:
             finally:
                 end = now()
                 self.busy = False
-            name, nbytes = self._name_and_bytes(comm, method)
-            info = {"bytes": nbytes, "group": group, "blocking": not starting,
+            counted = self.counted
+            name = counted[0][0] if counted else f"{comm.name}.{method}"
+            info = {"bytes": sum(n for _, n in counted), "group": group, "blocking": not starting,
                     "waited_ms": 0.0 if starting else (end - start) * 1e3, "hidden_ms": 0.0}
-            span = rec.add(name, "comm", group + IN_FLIGHT if starting else group, start, None if starting else end,
-                           info)
-            arrow = self._arrow(group, method, comm, world_of, args, kwargs)
-            if arrow:
-                rec.flow(arrow[1], arrow[0])
+            span = rec.add(name, "comm", track, start, None if starting else end, info)
+            if message:
+                key, end_of_arrow = self._arrow(group, method, world_of, args, kwargs)
+                rec.flow(end_of_arrow, key)
             if starting:
                 result.trace_span = span            # completed by `wait` or `test`
             return result

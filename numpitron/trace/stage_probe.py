@@ -76,9 +76,9 @@ class StageProbe(StepFeature):
         def traced(*args, chunk: int = 0, **kwargs):
             if not rec.active:
                 return call(*args, chunk=chunk, **kwargs)
+            start = now()              # the executor's clock starts here too: the look-up is inside
             mb = self._microbatch(op, chunk)
             self.current = {"microbatch": mb, "chunk": chunk}
-            start = now()
             try:
                 return call(*args, chunk=chunk, **kwargs)
             finally:

@@ -12,8 +12,8 @@ one class, so the shares add up to 1.
 
 Computing means inside a pipeline operation, the gradients' finalisation or the
 optimizer step. `bubble` is the pipeline executor's statistic measured on the trace:
-the share of the forward-and-backward phase (until the gradients' finalisation) spent
-outside the operations."""
+the share of the schedule (from its first receive or operation until the gradients'
+finalisation) spent outside the operations."""
 
 import json
 from pathlib import Path
@@ -97,17 +97,22 @@ def bubble(events: list, start: float, end: float) -> float | None:
     final = next((e for e in inside if e["name"] == "finalize grads"), None)
     if phase is None or final is None:
         return None
-    window = final["ts"] - phase["ts"]
-    busy = sum(e["dur"] for e in inside if e.get("cat") == "compute" and "op" in e["args"]
-               and phase["ts"] <= e["ts"] < final["ts"])
+    schedule = [e for e in inside if phase["ts"] <= e["ts"] < final["ts"]
+                and (e["name"] in PIPELINE_WAITS or (e.get("cat") == "compute" and "op" in e["args"]))]
+    if not schedule:
+        return None
+    window = final["ts"] - min(e["ts"] for e in schedule)      # from its first receive or operation
+    busy = sum(e["dur"] for e in schedule if e.get("cat") == "compute")
     return 1.0 - busy / window if window > 0 else 0.0
 
 
 def summarize(trace: dict) -> list[dict]:
-    """One row per rank and traced iteration: milliseconds and shares of its step."""
-    rows = []
+    """One row per rank and traced iteration: milliseconds and shares of its step (and
+    the pipeline's bubble when there is a pipeline)."""
+    rows, pipeline = [], trace.get("otherData", {}).get("mesh", {}).get("pp", 1) > 1
     for rank, events in sorted(spans_by_rank(trace).items()):
-        for step in sorted((e for e in events if e["name"] == "step" and e.get("cat") == "step"), key=lambda e: e["ts"]):
+        steps = sorted((e for e in events if e["name"] == "step" and e.get("cat") == "step"), key=lambda e: e["ts"])
+        for step in steps:
             start, end, it = step["ts"], step["ts"] + step["dur"], step["args"]["iteration"]
             parts = partition(events, start, end)
             total = end - start
@@ -115,7 +120,7 @@ def summarize(trace: dict) -> list[dict]:
                    "compute": parts["compute"] / total, "idle": parts["idle"] / total,
                    "exposed": {g: v / total for g, v in sorted(parts["exposed"].items())},
                    "hidden": {g: v / total for g, v in sorted(parts["hidden"].items())},
-                   "bubble": bubble(events, start, end)}
+                   "bubble": bubble(events, start, end) if pipeline else None}
             row.update({name.replace(" ", "_") + "_ms": e["dur"] / 1e3 for e in events if e.get("cat") == "loop"
                         and e["args"].get("iteration") == it for name in [e["name"]]})
             rows.append(row)
