@@ -155,3 +155,15 @@ def test_untraced_runs_carry_no_wrapper_and_a_trace_leaves_none(data_dir, shared
     assert_on_every_rank({"untraced": (untraced, 0), "installed": installed > 20, "left": (wrapped(), 0)})
     if topo.rank == 0:
         assert any(e["name"] == "tp.all_reduce" for e in json.loads((shared_dir / "t.json").read_text())["traceEvents"])
+
+
+def test_a_trace_draws(traced, tmp_path):
+    """Conditional on matplotlib alone (the `docs` extra): without it there is nothing to draw with."""
+    pytest.importorskip("matplotlib")
+    from numpitron.trace.draw import draw, rows_of
+    trace = traced("pp2")[0]
+    rows, iteration, length = rows_of(trace, 3)
+    assert iteration == 3 and length > 0 and [label for label, _ in rows if not label.startswith(" ")] == \
+        ["rank 0", "rank 1"]
+    draw(trace, tmp_path / "step.svg", 3)
+    assert "<svg" in (tmp_path / "step.svg").read_text()

@@ -1,4 +1,6 @@
-"""python -m numpitron.trace summary FILE.json [--json]   where each rank's step went"""
+"""python -m numpitron.trace summary FILE.json [--json]        where each rank's step went
+python -m numpitron.trace draw FILE.json OUT.svg [--iteration N]   one step of every rank, drawn
+                                                                   (matplotlib: the docs extra)"""
 
 import argparse
 import json
@@ -14,7 +16,23 @@ def main(argv=None) -> int:
                                                   "communication by group, idle time, and their shares")
     summary.add_argument("trace", metavar="FILE.json")
     summary.add_argument("--json", action="store_true", help="the same as JSON, one object per rank and iteration")
+    drawing = commands.add_parser("draw", help="one traced step of every rank as a figure (matplotlib)")
+    drawing.add_argument("trace", metavar="FILE.json")
+    drawing.add_argument("out", metavar="OUT.svg")
+    drawing.add_argument("--iteration", type=int, help="the traced iteration to draw (default: the first)")
+    drawing.add_argument("--title")
     args = parser.parse_args(argv)
+    if args.command == "draw":
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("draw needs matplotlib: pip install -e '.[docs]'")
+        from numpitron.trace.draw import draw
+        try:
+            draw(load(args.trace), args.out, args.iteration, args.title)
+        except ValueError as error:
+            parser.error(str(error))
+        return 0
     rows = summarize(load(args.trace))
     print(json.dumps(rows, indent=1) if args.json else text(rows))
     return 0
