@@ -58,30 +58,24 @@ def main():
     world = MPI.COMM_WORLD
     trainer = benchmark.build_trainer(args)
     tokens = np.random.default_rng(0).integers(0, benchmark.VOCAB, benchmark.N_TOKENS).astype(np.uint16)
-    tracer = Tracer(os.devnull, (1, 1 << 30), trainer)
+    tracer = Tracer(os.devnull, (1, 1 << 30), trainer)      # every iteration traced that begins as one
     spans_per_step = []
 
     def step(traced: bool) -> float:
-        if traced:
-            tracer.comm.install()
-            tracer.stage.install()
-        tracer.begin_iteration(trainer.iteration + 1 if traced else 0)
+        tracer.begin_iteration(trainer.iteration + 1 if traced else 0)     # installs the wrappers when traced
         world.Barrier()
         start = time.perf_counter()
         with tracer.span("step"):
             trainer.train_step(tokens)
         seconds = time.perf_counter() - start
         tracer.end_iteration()
+        tracer.uninstall()
         if traced:
             spans_per_step.append(len(tracer.rec.spans))
             tracer.rec.spans.clear()
             tracer.rec.flows.clear()
-            tracer.comm.uninstall()
-            tracer.stage.uninstall()
         return world.allreduce(seconds, op=MPI.MAX)
 
-    tracer.comm.uninstall()
-    tracer.stage.uninstall()
     for _ in range(args.warmup):
         step(False)
         step(True)

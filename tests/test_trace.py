@@ -146,13 +146,17 @@ def test_untraced_runs_carry_no_wrapper_and_a_trace_leaves_none(data_dir, shared
     def wrapped():
         return sum(len(methods & vars(o).keys()) for o in objects) + len(trainer.features)
     untraced = wrapped()
-    tracer = TraceRequest(str(shared_dir / "t.json"), (1, 2)).install(trainer)
-    installed = wrapped()
-    tracer.begin_iteration(1)
-    trainer.train_step(np.random.default_rng(0).integers(0, 65, 5000).astype(np.uint16))
-    tracer.end_iteration()
+    tracer = TraceRequest(str(shared_dir / "t.json"), (4, 5)).install(trainer)
+    tokens = np.random.default_rng(0).integers(0, 65, 5000).astype(np.uint16)
+    counts = []
+    for iteration in (3, 4, 5):         # before, inside and after the traced window
+        tracer.begin_iteration(iteration)
+        counts.append(wrapped())
+        trainer.train_step(tokens)
+        tracer.end_iteration()
     tracer.finish()
-    assert_on_every_rank({"untraced": (untraced, 0), "installed": installed > 20, "left": (wrapped(), 0)})
+    assert_on_every_rank({"untraced": (untraced, 0), "before": (counts[0], 0), "inside": counts[1] > 20,
+                          "after": (counts[2], 0), "left": (wrapped(), 0)})
     if topo.rank == 0:
         assert any(e["name"] == "tp.all_reduce" for e in json.loads((shared_dir / "t.json").read_text())["traceEvents"])
 

@@ -55,20 +55,38 @@ class TraceRequest(NamedTuple):
 
 
 class Tracer:
+    """The wrappers exist only during the traced iterations: installed as the first
+    begins, removed as the last ends, so the other iterations run exactly as untraced."""
+
     def __init__(self, path, window: tuple[int, int], trainer):
         self.path, self.window, self.topo = path, window, trainer.topo
         self.rec = Recorder()
-        self.clock_before = measure_offsets(self.topo.world)       # before any wrapper: it records nothing
+        self.clock_before = measure_offsets(self.topo.world)       # collective: every rank builds its Tracer
         self.comm, self.stage = CommProbe(self.rec, self.topo), StageProbe(self.rec, trainer)
-        self.comm.install()
-        self.stage.install()
+        self.installed = False
+
+    def install(self) -> None:
+        if not self.installed:
+            self.comm.install()
+            self.stage.install()
+            self.installed = True
+
+    def uninstall(self) -> None:
+        if self.installed:
+            self.comm.uninstall()
+            self.stage.uninstall()
+            self.installed = False
 
     def begin_iteration(self, iteration: int) -> None:
         """`iteration`: the number metrics.jsonl will give the step about to run."""
         self.rec.iteration = iteration
         self.rec.active = self.window[0] <= iteration < self.window[1]
+        if self.rec.active:
+            self.install()
 
     def end_iteration(self) -> None:
+        if self.rec.active and self.rec.iteration == self.window[1] - 1:
+            self.uninstall()
         self.rec.active = False
 
     @contextmanager
@@ -95,8 +113,7 @@ class Tracer:
             if span[1] == "comm" and not span[5]["blocking"]:
                 span[5]["hidden_ms"] = max(0.0, (span[4] - span[3]) * 1e3 - span[5]["waited_ms"])
         topo = self.topo
-        self.comm.uninstall()
-        self.stage.uninstall()
+        self.uninstall()
         clock_after = measure_offsets(topo.world)
         record = {"rank": topo.rank, "host": topo.hostnames[topo.rank], "spans": self.rec.spans,
                   "flows": self.rec.flows, "coords": {"pp": topo.pp_rank, "dp": topo.dp_rank, "cp": topo.cp_rank,
