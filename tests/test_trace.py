@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO
-from tests.harness import PYTHON, assert_on_every_rank, train_script
+from tests.harness import PYTHON, assert_on_every_rank, assert_valid_trace, train_script
 
 LAYOUTS = {"pp2": ["--pipeline-parallel-size", "2", "--global-batch-size", "16"],
            "dp2": ["--data-parallel-size", "2", "--global-batch-size", "16", "--bucket-size", "2000"],
@@ -47,21 +47,10 @@ def steps_of(trace, pid):
 def test_the_trace_is_valid_and_spans_on_a_track_nest(traced, layout):
     trace = traced(layout)[0]
     assert trace["displayTimeUnit"] == "ms" and trace["otherData"]["iterations"] == TRACED
-    events, tracks = trace["traceEvents"], {}
-    for e in events:
-        assert {"name", "ph", "ts", "pid", "tid"} <= e.keys(), e
-        if e["ph"] == "X":
-            assert e["dur"] >= 0, e
-            tracks.setdefault((e["pid"], e["tid"]), []).append(e)
+    events = trace["traceEvents"]
+    assert_valid_trace(trace)
     names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert sorted(names) == [0, 1] and all(" on " in n and "pp " in n and "tp " in n for n in names.values())
-    for spans in tracks.values():              # each span inside the one open, or after it
-        open_ends = []
-        for e in sorted(spans, key=lambda e: (e["ts"], -e["dur"])):
-            while open_ends and open_ends[-1] <= e["ts"] + 1e-3:
-                open_ends.pop()
-            assert not open_ends or e["ts"] + e["dur"] <= open_ends[-1] + 1e-3, f"partial overlap: {e}"
-            open_ends.append(e["ts"] + e["dur"])
     assert {"step", "forward and backward", "optimizer step", "evaluation", "checkpoint save"} <= \
         {e["name"] for e in events}
     # Every message's arrow leaves its sender before its receive ends, within the clocks' error bound.
@@ -171,3 +160,19 @@ def test_a_trace_draws(traced, tmp_path):
         ["rank 0", "rank 1"]
     draw(trace, tmp_path / "step.svg", 3)
     assert "<svg" in (tmp_path / "step.svg").read_text()
+
+
+def test_a_measured_step_compares_with_the_planners(traced, tmp_path):
+    """`plan --trace` of the same layout opens beside the measured trace: the same ranks,
+    the same operation names, and compare sets them side by side."""
+    measured_path = traced("pp2")[2]
+    predicted_path = tmp_path / "predicted.json"
+    flags = ["--n-layers", "2", "--n-heads", "2", "--d-model", "32", "--seq-len", "16", "--micro-batch-size", "4",
+             "--dtype", "float64", "--pipeline-parallel-size", "2", "--global-batch-size", "16"]
+    subprocess.run([PYTHON, "-m", "numpitron.plan", *flags, "--trace", str(predicted_path)], cwd=REPO, check=True,
+                   capture_output=True)
+    result = subprocess.run([PYTHON, "-m", "numpitron.trace", "compare", str(measured_path), str(predicted_path),
+                             "--json"], cwd=REPO, check=True, capture_output=True, text=True)
+    rows = json.loads(result.stdout)
+    assert [(r["rank"], r["iteration"]) for r in rows] == [(0, 2), (1, 2)]
+    assert all(set(r["operations"]) == {"F", "BW"} and len(r["parted_most"]) == 5 for r in rows)

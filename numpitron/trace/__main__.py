@@ -1,6 +1,8 @@
 """python -m numpitron.trace summary FILE.json [--json]        where each rank's step went
 python -m numpitron.trace draw FILE.json OUT.svg [--iteration N]   one step of every rank, drawn
-                                                                   (matplotlib: the docs extra)"""
+                                                                   (matplotlib: the docs extra)
+python -m numpitron.trace compare MEASURED PREDICTED [--json]      where a run and the planner's
+                                                                   prediction (plan --trace) part"""
 
 import argparse
 import json
@@ -21,7 +23,18 @@ def main(argv=None) -> int:
     drawing.add_argument("out", metavar="OUT.svg")
     drawing.add_argument("--iteration", type=int, help="the traced iteration to draw (default: the first)")
     drawing.add_argument("--title")
+    comparing = commands.add_parser("compare", help="a measured trace against the planner's predicted one "
+                                                    "(python -m numpitron.plan ... --trace)")
+    comparing.add_argument("measured", metavar="MEASURED.json")
+    comparing.add_argument("predicted", metavar="PREDICTED.json")
+    comparing.add_argument("--iteration", type=int, help="the measured iteration (default: the first traced)")
+    comparing.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.command == "compare":
+        from numpitron.trace.compare import compare, text as compare_text
+        rows = compare(load(args.measured), load(args.predicted), args.iteration)
+        print(json.dumps(rows, indent=1) if args.json else compare_text(rows))
+        return 0
     if args.command == "draw":
         try:
             import matplotlib  # noqa: F401
