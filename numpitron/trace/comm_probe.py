@@ -10,6 +10,8 @@ that finds it done), plus a "wait" span on the group's track for the part the ra
 waited; the rest was hidden behind whatever ran meanwhile. A rank only learns that a
 request completed when it asks, so "hidden" is what this rank could have hidden."""
 
+from functools import partial
+
 from numpitron.trace.recorder import Patches, now
 
 BLOCKING = ("all_reduce", "reduce_scatter", "all_gather", "gather", "gatherv", "scatterv", "all_to_all",
@@ -40,7 +42,7 @@ class CommProbe:
         self.rec, self.topo = recorder, topo
         self.counted = []          # (collective, bytes) the call in progress added to the counters
         self.busy = False          # inside a recorded call: a call it makes is its own part
-        self.sent = {}             # (group, src, dst, tag) -> messages so far: the arrows' keys
+        self.sent = {}             # (group, src, dst, tag) -> messages so far (sent or received): the arrows' keys
         self.patches = Patches()
 
     def install(self) -> None:
@@ -54,9 +56,8 @@ class CommProbe:
         for group, comm in groups_of(self.topo).items():
             world_of = self._world_ranks(comm)
             for method in BLOCKING + STARTING:
-                self.patches.wrap(comm, method, lambda call, m=method, c=comm, g=group: self._wrap(c, g, m, call,
-                                                                                                   world_of))
-            self.patches.wrap(comm, "wait", lambda call, g=group: self._wait(g, call))
+                self.patches.wrap(comm, method, partial(self._wrap, comm, group, method, world_of=world_of))
+            self.patches.wrap(comm, "wait", partial(self._wait, group))
             self.patches.wrap(comm, "test", self._test)
 
     def uninstall(self) -> None:

@@ -46,7 +46,8 @@ def predicted_trace(result: dict, schedule: str, virtual_stages: int, hostname: 
         pid, t = stage * stride, info["time_s"]
         label = f"rank {pid} (pp {stage}, dp 0, cp {mesh['cp'] - 1}, tp 0) on {hostname}"
         events += [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "ts": 0, "args": {"name": label}},
-                   {"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "ts": 0, "args": {"sort_index": pid}},
+                   {"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "ts": 0,
+                    "args": {"sort_index": pid}},
                    {"name": "thread_name", "ph": "M", "pid": pid, "tid": 0, "ts": 0, "args": {"name": "compute"}},
                    {"name": "thread_name", "ph": "M", "pid": pid, "tid": 1, "ts": 0,
                     "args": {"name": "exposed communication"}}]
