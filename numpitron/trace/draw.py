@@ -48,26 +48,36 @@ def rows_of(trace: dict, iteration: int | None):
     return rows, it, (end - start) / 1e3
 
 
+def draw_on(ax, trace: dict, iteration: int | None = None, title: str | None = None,
+            length: float | None = None, legend: bool = True) -> float:
+    """One step on matplotlib axes `ax`; returns its length in ms (`length`: the x axis's,
+    to set two steps on one scale)."""
+    from matplotlib.patches import Patch
+
+    rows, it, step = rows_of(trace, iteration)
+    for y, (_, bars) in enumerate(rows):
+        for x, width, colour, alpha in bars:
+            ax.broken_barh([(x, max(width, step * 1e-4))], (y - 0.4, 0.8), facecolors=colour, alpha=alpha)
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows])
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlim(0, length or step)
+    ax.set_xlabel("ms from the step's start")
+    ax.set_title(title or f"iteration {it}")
+    if legend:
+        handles = [Patch(color=c, label=k) for k, c in COLOURS.items()]
+        handles += [Patch(color=GROUP_COLOUR, label="waiting in a collective"),
+                    Patch(color=FLYING_COLOUR, label="collective in flight")]
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small", frameon=False)
+    return step
+
+
 def draw(trace: dict, out: str, iteration: int | None = None, title: str | None = None) -> None:
     import matplotlib
     matplotlib.use("svg" if str(out).endswith(".svg") else "Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
-    rows, it, length = rows_of(trace, iteration)
-    fig, ax = plt.subplots(figsize=(11, 0.35 * len(rows) + 1.4))
-    for y, (_, bars) in enumerate(rows):
-        for x, width, colour, alpha in bars:
-            ax.broken_barh([(x, max(width, length * 1e-4))], (y - 0.4, 0.8), facecolors=colour, alpha=alpha)
-    ax.set_yticks(range(len(rows)), [label for label, _ in rows])
-    ax.invert_yaxis()
-    ax.set_xlim(0, length)
-    ax.set_xlabel("ms from the step's start")
-    ax.set_title(title or f"iteration {it}")
-    legend = [Patch(color=c, label=k) for k, c in COLOURS.items()]
-    legend += [Patch(color=GROUP_COLOUR, label="waiting in a collective"),
-               Patch(color=FLYING_COLOUR, label="collective in flight")]
-    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small", frameon=False)
+    fig, ax = plt.subplots(figsize=(11, 0.35 * len(rows_of(trace, iteration)[0]) + 1.4))
+    draw_on(ax, trace, iteration, title)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
