@@ -115,6 +115,12 @@ def test_the_summary_partitions_every_step(traced, layout):
         assert all(r["exposed"].get("tp", 0) > 0 for r in rows)
 
 
+def test_a_trace_rank_0_cannot_write_is_one_line(data_dir, tmp_path):
+    result = train_script(data_dir, tmp_path / "out", "--max-iters", "2", "--trace", str(tmp_path / "no/such/t.json"))
+    assert result.returncode != 0 and "is not a directory this process can write into" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.parallel(nprocs=2)
 def test_untraced_runs_carry_no_wrapper_and_a_trace_leaves_none(data_dir, shared_dir):
     from numpitron.config import ModelConfig, ParallelConfig, TrainConfig

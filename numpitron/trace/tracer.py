@@ -10,9 +10,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
+from numpitron.distributed.agree import on_every_rank
 from numpitron.errors import UserError
 from numpitron.trace.chrome import merge
-from numpitron.trace.clock import measure_offsets, to_rank_zero
+from numpitron.trace.clock import ROUNDS, measure_offsets, to_rank_zero
 from numpitron.trace.comm_probe import CommProbe
 from numpitron.trace.recorder import COMPUTE, Recorder, now
 from numpitron.trace.stage_probe import StageProbe
@@ -43,12 +44,15 @@ class TraceRequest(NamedTuple):
             if iterations is not None:
                 raise UserError("--trace-iters needs --trace FILE.json")
             return None
-        parent = Path(path).resolve().parent
-        if not parent.is_dir() or not os.access(parent, os.W_OK):
-            raise UserError(f"--trace {path}: {parent} is not a directory this process can write into")
         return cls(path, parse_iterations(iterations))
 
     def install(self, trainer) -> "Tracer":
+        """Collective: every rank learns if rank 0, which writes the file, cannot."""
+        def writable():
+            parent = Path(self.path).resolve().parent
+            if trainer.topo.rank == 0 and not (parent.is_dir() and os.access(parent, os.W_OK)):
+                raise UserError(f"--trace {self.path}: {parent} is not a directory this process can write into")
+        on_every_rank(trainer.topo.world, writable)
         first = trainer.iteration + 2
         window = self.iterations or (first, first + TRACED_BY_DEFAULT)
         return Tracer(self.path, window, trainer)
@@ -64,6 +68,7 @@ class Tracer:
         self.clock_before = measure_offsets(self.topo.world)       # collective: every rank builds its Tracer
         self.comm, self.stage = CommProbe(self.rec, self.topo), StageProbe(self.rec, trainer)
         self.installed = False
+        self.traced = []               # the iterations recorded
 
     def install(self) -> None:
         if not self.installed:
@@ -82,6 +87,7 @@ class Tracer:
         self.rec.iteration = iteration
         self.rec.active = self.window[0] <= iteration < self.window[1]
         if self.rec.active:
+            self.traced.append(iteration)
             self.install()
 
     def end_iteration(self) -> None:
@@ -119,11 +125,14 @@ class Tracer:
                   "flows": self.rec.flows, "coords": {"pp": topo.pp_rank, "dp": topo.dp_rank, "cp": topo.cp_rank,
                                                       "tp": topo.tp_rank}}
         records = topo.world.gather_object(record)
-        if topo.rank != 0:
-            return
+        on_every_rank(topo.world, lambda: self._write(records, clock_after) if topo.rank == 0 else None)
+
+    def _write(self, records: list, clock_after: list) -> None:
+        topo = self.topo
         clocks = [to_rank_zero(b, a) for b, a in zip(self.clock_before, clock_after)]
-        other = {"iterations": list(range(*self.window)), "mesh": dict(topo.mesh._asdict()),
-                 "clock": {"method": "ping-pong against rank 0, shortest of 8 round trips; error bound = half of it",
+        other = {"iterations": self.traced, "mesh": dict(topo.mesh._asdict()),
+                 "clock": {"method": f"ping-pong against rank 0, the shortest of {ROUNDS} round trips; the error "
+                                     f"bound is half of it",
                            "offset_us": [[round(b["offset_s"] * 1e6, 3), round(a["offset_s"] * 1e6, 3)]
                                          for b, a in zip(self.clock_before, clock_after)],
                            "error_us": [[round(b["error_s"] * 1e6, 3), round(a["error_s"] * 1e6, 3)]
