@@ -7,8 +7,9 @@ any model on any mesh, per pipeline stage, before launching it.
     python -m numpitron.plan --search --devices 4
 
 The flags are the training script's (numpitron/cli.py), plus --vocab-size, --device,
---json, --search, --devices and --trace (the predicted step as a trace, docs/17-traces.md); a layout that cannot work gets the line training would
-give, from the same checks.
+--json, --search, --devices and --trace (the predicted step as a trace,
+docs/17-traces.md); a layout that cannot work gets the line training would give, from
+the same checks.
 """
 
 import json
