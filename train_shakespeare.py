@@ -17,18 +17,21 @@ configure_process(sys.argv)   # BLAS threads and MPI yield: before NumPy and MPI
 def main(argv=None) -> int:
     from numpitron.cli import add_file_flags, setup_training, training_parser
     from numpitron.config_file import config_toml
+    from numpitron.trace.tracer import TraceRequest
     from numpitron.train import train
 
     parser = training_parser()
     add_file_flags(parser)
     args = parser.parse_args(argv)
+    trace = TraceRequest.from_flags(args.trace, args.trace_iters)
     model_cfg, parallel_cfg, train_cfg, topo = setup_training(args)
     # What the mesh derived, written out: the run's config.toml repeats it exactly.
     args.data_parallel_size, args.global_batch_size = topo.dp, train_cfg.global_batch(topo.dp)
     result = train(model_cfg, parallel_cfg, train_cfg, topo, args.data_dir, args.out_dir,
                    resume=args.resume, progress=not args.no_progress, input_path=args.input,
-                   overwrite=args.overwrite, reseed=args.reseed,
-                   run_config=config_toml(parser, args, leave_out=("resume", "overwrite", "reseed")))
+                   overwrite=args.overwrite, reseed=args.reseed, trace=trace,
+                   run_config=config_toml(parser, args, leave_out=("resume", "overwrite", "reseed", "trace",
+                                                                   "trace_iters")))
     if topo.is_logger and result["trained"]:
         val = "" if result["val_loss"] is None else f", val loss {result['val_loss']:.4f}"
         print(f"done: {result['iterations']} iterations{val}, {result['elapsed_s']:.1f} s", flush=True)

@@ -36,7 +36,7 @@ from numpitron.cli import setup_training, training_parser  # noqa: E402
 from numpitron.config import ModelConfig  # noqa: E402
 from numpitron.optim.memory_report import memory_bytes  # noqa: E402
 from numpitron.pipeline_parallel.schedules import closed_form_bubble  # noqa: E402
-from numpitron.build import build_trainer  # noqa: E402
+from numpitron import build  # noqa: E402
 
 VOCAB, N_TOKENS = 65, 200_000
 
@@ -137,7 +137,7 @@ def trainer_from_args(args):
     model_cfg, parallel_cfg, train_cfg, topo = setup_training(args)
     model_cfg = replace(model_cfg, vocab_size=VOCAB)
     train_cfg = replace(train_cfg, max_iters=args.warmup + args.iters, warmup_iters=0)
-    return build_trainer(model_cfg, parallel_cfg, train_cfg, topo)
+    return build.build_trainer(model_cfg, parallel_cfg, train_cfg, topo)
 
 
 def timed_steps(trainer, tokens, iters: int, world) -> dict:

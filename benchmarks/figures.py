@@ -338,6 +338,33 @@ def race(plt) -> dict:
     return {name: [run.get("seconds_to_target") for run in runs[name]] for name in ("numpitron", "pytorch")}
 
 
+def traced_pipeline(plt, data_dir: Path) -> dict:
+    """Chapter 17's figure: one traced 1F1B step on two stages, the planner's prediction
+    of the same step under it (trace_pipeline.svg), and both summaries."""
+    from numpitron.trace.draw import draw_on
+    from numpitron.trace.summary import summarize
+    flags = ["--pipeline-parallel-size", "2", "--global-batch-size", "48"]
+    with tempfile.TemporaryDirectory() as tmp:
+        measured, predicted = Path(tmp) / "measured.json", Path(tmp) / "predicted.json"
+        subprocess.run(launch(2, "train_shakespeare.py", flags + [
+            "--max-iters", "4", "--eval-interval", "100", "--eval-iters", "1", "--data-dir", str(data_dir),
+            "--out-dir", str(Path(tmp) / "out"), "--no-progress", "--trace", str(measured), "--trace-iters", "3:4"]),
+            check=True, cwd=REPO, capture_output=True)
+        subprocess.run(launch(1, "-m", ["numpitron.plan", *flags, "--trace", str(predicted)]), check=True, cwd=REPO,
+                       capture_output=True)
+        traces = [json.loads(measured.read_text()), json.loads(predicted.read_text())]
+    fig, axes = plt.subplots(2, 1, figsize=(11, 6))
+    length = draw_on(axes[0], traces[0], 3, f"measured: iteration 3 of train_shakespeare.py "
+                                            f"(load average {os.getloadavg()[0]:.1f})")
+    draw_on(axes[1], traces[1], None, "predicted: python -m numpitron.plan ... --trace", length, legend=False)
+    caption(axes[1], "mpiexec -n 2 python train_shakespeare.py --pipeline-parallel-size 2 --global-batch-size 48 "
+                     "--trace FILE.json --trace-iters 3:4; the same flags to python -m numpitron.plan --trace")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(FIGURES / "trace_pipeline.svg", bbox_inches="tight")
+    plt.close(fig)
+    return {kind: summarize(trace) for kind, trace in zip(("measured", "predicted"), traces)}
+
+
 # The figures that can be made alone (`--only NAME`), each from (plt, data_dir, iters):
 ALONE = {
     "memory_zero": lambda plt, data_dir, iters: memory(plt),
@@ -348,6 +375,7 @@ ALONE = {
     "precision_drift": lambda plt, data_dir, iters: precision_drift(plt, data_dir, 200),
     "hsdp_rates": lambda plt, data_dir, iters: hsdp_rates(plt),
     "race": lambda plt, data_dir, iters: race(plt),
+    "traced_pipeline": lambda plt, data_dir, iters: traced_pipeline(plt, data_dir),
 }
 
 
@@ -387,6 +415,7 @@ def main():
     data["cluster_rates"] = cluster_rates(plt)
     data["precision_drift"] = precision_drift(plt, Path(args.data_dir).resolve(), 20 if args.quick else 200)
     data["race"] = race(plt)
+    data["traced_pipeline"] = traced_pipeline(plt, Path(args.data_dir).resolve())
     (FIGURES / "figures.json").write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {', '.join(sorted(p.name for p in FIGURES.glob('*.svg')))} and figures.json in {FIGURES}")
 

@@ -57,6 +57,11 @@ class FileFlags:
     reseed: bool = setting(False, "with --resume: allow a --seed other than the checkpoint's run's (its batches "
                                   "from here on differ from that run's)")
     no_progress: bool = setting(False, "no progress bar")
+    trace: str | None = setting(None, "write a trace of some iterations to this file, for Perfetto "
+                                      "(ui.perfetto.dev): every rank's computation and communication "
+                                      "(docs/17-traces.md)", metavar="FILE.json")
+    trace_iters: str | None = setting(None, "the iterations --trace records, A to B-1 as metrics.jsonl numbers "
+                                            "them (default: the 3 after the run's first)", metavar="A:B")
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -7,6 +7,7 @@ writes metrics, and checkpoints are gathered to it (see numpitron.checkpoint).
 import math
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from numpitron.checkpoint.prune import written_by_us
 from numpitron.config_file import write_run_config
 from numpitron.data.prepare import ensure_prepared
 from numpitron.data.prepared import load_prepared
+from numpitron.divergence import SkippedSteps, check_diverged
 from numpitron.optim.memory_report import memory_bytes
 from numpitron.distributed.agree import on_every_rank
 from numpitron.errors import UserError
@@ -44,9 +46,12 @@ def prepare_data_on_ranks(topo, data_dir: Path, input_path=None) -> dict:
 
 
 def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=False,
-          progress=True, input_path=None, overwrite=False, run_config: str | None = None, reseed=False) -> dict:
+          progress=True, input_path=None, overwrite=False, run_config: str | None = None, reseed=False,
+          trace=None) -> dict:
     """run_config: the resolved flags as TOML, written to OUT_DIR/config.toml once the
-    directory is claimed and any checkpoint resumed. reseed: resume with another seed. The progress is a bar on a terminal, else a line per log interval."""
+    directory is claimed and any checkpoint resumed. reseed: resume with another seed. The
+    progress is a bar on a terminal, else a line per log interval. trace: a `TraceRequest`
+    (trace/tracer.py) to install on the built trainer, or None: nothing is traced."""
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     paths = prepare_data_on_ranks(topo, data_dir, input_path)
     tokenizer, splits = on_every_rank(topo.world, lambda: load_prepared(paths, model_cfg.seq_len))
@@ -79,16 +84,20 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
               f"{trainer.num_microbatches} micro-batches of {train_cfg.micro_batch_size} per dp rank", flush=True)
     first_iteration = trainer.iteration
     skips = None if isinstance(trainer.step_rule, PlainStep) else SkippedSteps(trainer.scaler)
+    tracer = trace.install(trainer) if trace else None
     bar = _progress_bar(trainer.iteration, train_cfg.max_iters, progress and topo.is_logger and sys.stdout.isatty())
     plain = progress and bar is None
     start, last_eval = time.perf_counter(), {}
     while trainer.iteration < train_cfg.max_iters:
+        if tracer:
+            tracer.begin_iteration(trainer.iteration + 1)
         topo.stats.reset()
-        t0 = time.perf_counter()
-        scale = trainer.step_rule.loss_scale             # this step's, before the scaler changes it
-        with np.errstate(**QUIET):
-            step = trainer.train_step(splits["train"])
-        dt = time.perf_counter() - t0
+        with _traced(tracer, "step"):
+            t0 = time.perf_counter()
+            scale = trainer.step_rule.loss_scale             # this step's, before the scaler changes it
+            with np.errstate(**QUIET):
+                step = trainer.train_step(splits["train"])
+            dt = time.perf_counter() - t0
         it = trainer.iteration          # iterations completed
         record = {"iter": it, **step, "global_batch_size": trainer.global_batch_size,
                   "tokens_per_s": trainer.global_batch_size * model_cfg.seq_len / dt,
@@ -108,7 +117,7 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
         is_eval = it % train_cfg.eval_interval == 0 or it == train_cfg.max_iters
         improved = False
         if is_eval:
-            with np.errstate(**QUIET):
+            with _traced(tracer, "evaluation"), np.errstate(**QUIET):
                 last_eval = trainer.evaluate(splits, train_cfg.eval_iters)
             check_diverged(it, {"validation loss": last_eval["val"]})
             record.update(val_loss=last_eval["val"], eval_train_loss=last_eval["train"])
@@ -119,12 +128,17 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
             _report(bar, record, topo.is_logger, f"/{train_cfg.max_iters}" if plain else None)
         reason = checkpoint_reason(it, improved, train_cfg)
         if reason:
-            path = save(reason, protect=best_ckpt)
+            with _traced(tracer, "checkpoint save"):
+                path = save(reason, protect=best_ckpt)
             best_ckpt = path if reason == "best" else best_ckpt
+        if tracer:
+            tracer.end_iteration()
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
+    if tracer:
+        tracer.finish()
     if lock is not None:
         lock.release()
     return {"iterations": trainer.iteration, "trained": trainer.iteration - first_iteration,
@@ -132,51 +146,9 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
             "train_loss": last_eval.get("train"), "elapsed_s": time.perf_counter() - start, "trainer": trainer}
 
 
-def check_diverged(iteration: int, step: dict, applied_every_step: bool = False) -> None:
-    """One line, before anything is saved, once a number that training needs finite is not:
-    the loss, the validation loss, or (for a step that applies every update, where a
-    mixed-precision run would skip it) the gradient norm the update was clipped by."""
-    named = {"train_loss": "loss", "validation loss": "validation loss"}
-    checked = {named[k]: v for k, v in step.items() if k in named}
-    if applied_every_step:
-        checked["gradient norm"] = step["grad_norm"]
-    for what, value in checked.items():
-        if not math.isfinite(value):
-            raise UserError(f"training diverged at iteration {iteration}: {what} is {value}")
-
-
-class SkippedSteps:
-    """A mixed-precision step whose gradients overflow is skipped (its norm is not finite)
-    and fp16's loss scale halved. Two cases no scale mends end the run in one line: STALLED
-    steps in a row overflowing with no lower scale to try (fp16 at 1; bf16 and FP8 never
-    scale), and a run whose every step was skipped (a --loss-scale far too large), found
-    before its final save."""
-
-    STALLED = 10
-
-    def __init__(self, scaler):
-        self.scaler, self.first_scale = scaler, scaler.scale
-        self.steps = self.skipped = self.in_a_row = 0
-
-    def record(self, iteration: int, step: dict, scale: float, last: bool) -> None:
-        self.steps += 1
-        if math.isfinite(step["grad_norm"]):
-            self.in_a_row = 0
-            return
-        self.skipped += 1
-        self.in_a_row = self.in_a_row + 1 if scale <= 1 or not self.scaler.dynamic else 0
-        if self.in_a_row == self.STALLED:
-            raise UserError(f"training diverged at iteration {iteration}: the gradients overflowed "
-                            f"{self.scaler.precision} in {self.STALLED} steps in a row at loss scale {scale:g}, with "
-                            f"no lower scale to try")
-        if last and self.skipped == self.steps:
-            raise UserError(f"every one of this run's {self.steps} steps overflowed {self.scaler.precision} and was "
-                            f"skipped (its loss scale fell from {_power(self.first_scale)} to "
-                            f"{_power(self.scaler.scale)}): start again from a smaller --loss-scale (0: the default)")
-
-
-def _power(scale: float) -> str:
-    return f"2^{int(math.log2(scale))}" if scale >= 1 else f"{scale:g}"
+def _traced(tracer, name: str):
+    """A span of the trace around a part of the loop, or nothing when untraced."""
+    return tracer.span(name) if tracer else nullcontext()
 
 
 def resume_from_latest(ckpt_root: Path, trainer, train_cfg, tokenizer, reseed: bool = False) -> bool:

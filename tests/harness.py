@@ -269,6 +269,25 @@ def logged_losses(out_dir):
     return {r["iter"]: r["train_loss"] for r in rows}
 
 
+def assert_valid_trace(trace: dict) -> None:
+    """A Chrome trace (numpitron/trace/): every event has a name, a phase, a time, a
+    process and a thread, every complete event a duration, and the complete events of
+    one track nest or follow each other, never overlapping partially."""
+    tracks = {}
+    for e in trace["traceEvents"]:
+        assert {"name", "ph", "ts", "pid", "tid"} <= e.keys(), e
+        if e["ph"] == "X":
+            assert e["dur"] >= 0, e
+            tracks.setdefault((e["pid"], e["tid"]), []).append(e)
+    for spans in tracks.values():              # each span inside the one open, or after it
+        open_ends = []
+        for e in sorted(spans, key=lambda e: (e["ts"], -e["dur"])):
+            while open_ends and open_ends[-1] <= e["ts"] + 1e-3:
+                open_ends.pop()
+            assert not open_ends or e["ts"] + e["dur"] <= open_ends[-1] + 1e-3, f"partial overlap: {e}"
+            open_ends.append(e["ts"] + e["dur"])
+
+
 def error_lines(stderr):
     return [line for line in stderr.splitlines() if "error" in line.lower()]
 

@@ -54,7 +54,7 @@ def test_overflowing_with_no_lower_scale_to_try_ends_the_run(precision, scale, f
     for bf16 from the start) nothing changes between tries, so ten in a row end the run."""
     from numpitron.errors import UserError
     from numpitron.precision.formats import FORMATS, LossScaler
-    from numpitron.train import SkippedSteps
+    from numpitron.divergence import SkippedSteps
     scaler = LossScaler(FORMATS[precision], scale)
     skips = SkippedSteps(scaler)
     overflow = {"grad_norm": float("inf")}

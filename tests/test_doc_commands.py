@@ -6,7 +6,8 @@ hold commands this test knows how to shrink.
 Shrinking: training gets a tiny model and two iterations (later flags win in argparse, so
 they override the page's), a temporary --data-dir with the text and a temporary
 --out-dir (--overwrite unless the command resumes); sampling gets five new tokens from that
---out-dir; the one-process GPT the same tiny model; the planner runs as it is.
+--out-dir; the one-process GPT the same tiny model; the planner and the trace's summary run
+as they are, a bare FILE.json beside --out-dir.
 """
 
 import re
@@ -44,8 +45,9 @@ def shrink(command: str, data: Path, out: Path) -> list[str]:
     if launcher:
         launcher = [str(bin_dir / "mpiexec")] + launcher[1:]
     assert rest[0] == "python", f"not a command this test can run (mark the block ```text): {command}"
-    args = rest[1:]
-    if args[:2] == ["-m", "numpitron.plan"]:
+    # A file a command writes or reads by a bare name (a trace) lives beside --out-dir.
+    args = [str(out.parent / arg) if arg.endswith(".json") and "/" not in arg else arg for arg in rest[1:]]
+    if args[:2] in (["-m", "numpitron.plan"], ["-m", "numpitron.trace"]):
         return launcher + [sys.executable, *args]
     if args[:2] == ["-m", "numpitron.reference"]:            # the one-process GPT: the same tiny model
         return [sys.executable, *args, *TINY[:10], "--eval-iters", "1", "--max-iters", "2", "--data-dir", str(data)]

@@ -7,8 +7,9 @@ any model on any mesh, per pipeline stage, before launching it.
     python -m numpitron.plan --search --devices 4
 
 The flags are the training script's (numpitron/cli.py), plus --vocab-size, --device,
---json, --search and --devices; a layout that cannot work gets the line training would
-give, from the same checks.
+--json, --search, --devices and --trace (the predicted step as a trace,
+docs/17-traces.md); a layout that cannot work gets the line training would give, from
+the same checks.
 """
 
 import json
@@ -40,6 +41,8 @@ class PlanningFlags:
     json: bool = setting(False, "print one JSON object")
     search: bool = setting(False, "rank every layout of --devices devices")
     devices: int | None = setting(None, "world size (default: the mesh flags' product)")
+    trace: str | None = setting(None, "also write the predicted step as a trace, beside a measured one "
+                                      "(docs/17-traces.md)", metavar="FILE.json")
 
 
 def parser():
@@ -182,6 +185,9 @@ def main(argv=None) -> int:
     result = plan(model, parallel, train, layout_of(args, world, model, parallel, train), device)
     result["parameters"] = sizes(model, parallel, args.pipeline_parallel_size)
     print(json.dumps(result) if args.json else report(result))
+    if args.trace:
+        from numpitron.trace.predicted import write_predicted
+        write_predicted(args.trace, result, parallel.schedule, parallel.virtual_stages)
     return 0
 
 
