@@ -25,8 +25,9 @@ IN_FLIGHT = " in flight"
 def groups_of(topo) -> dict:
     """{group name: Comm} for the world and every group of the topology with more than
     one rank (a group of one counts and moves nothing)."""
-    from numpitron.distributed.topology import GROUPS
-    found = {"world": topo.world, **{name: getattr(topo, f"{name}_comm") for name in GROUPS}}
+    from numpitron.distributed.groups import GROUPS
+    found = {"world": topo.world, "embedding": topo.embedding_comm,
+             **{name: getattr(topo, f"{name}_comm") for name in GROUPS}}
     seen, out = set(), {}
     for name, comm in found.items():
         if comm.size > 1 and id(comm) not in seen:
