@@ -12,6 +12,7 @@ from numpitron.experts.routing_statistics import RoutingStatistics
 from numpitron.experts.stage_experts import StageExperts
 from numpitron.model import GPTStage
 from numpitron.muon.owners import use_muon
+from numpitron.optim.sgd import SGD
 from numpitron.precision.formats import FORMATS, LossScaler, use_format
 from numpitron.precision.fp8 import DelayedScaling, linear_layers
 from numpitron.precision.master_weights import optimizer_format
@@ -31,14 +32,16 @@ OPTIMIZERS = {0: DataParallelOptimizer, 1: ZeroOneOptimizer, 2: ZeroTwoOptimizer
 def make_optimizer(store, topo, train_cfg, parallel_cfg, group: GradientGroup | None = None,
                    zero_stage: int | None = None):
     """Built after the model: an optimizer that shards pads the store itself. With
-    --optimizer muon its update rule is Muon's, whatever the ZeRO stage, the precision
-    and the way the gradients are reduced. zero_stage: this store's, if not the run's."""
+    --optimizer muon its update rule is Muon's, with --optimizer sgd plain SGD's, whatever
+    the ZeRO stage, the precision and the way the gradients are reduced. zero_stage: this store's, if not the run's."""
     chosen = OPTIMIZERS[parallel_cfg.zero_stage if zero_stage is None else zero_stage]
     if parallel_cfg.hierarchical_all_reduce:         # plain dp only (config.py)
         chosen = HierarchicalDataParallelOptimizer
     optimizer = chosen(store, topo, train_cfg, parallel_cfg, group, precision=optimizer_format(train_cfg))
     if train_cfg.optimizer == "muon":
         use_muon(optimizer, topo, train_cfg)
+    elif train_cfg.optimizer == "sgd":
+        optimizer.use_rule(SGD(train_cfg.weight_decay))
     return optimizer
 
 

@@ -23,7 +23,7 @@ DTYPES = ("float32", "float64")
 RECOMPUTE = ("none", "selective", "full")
 LOAD_BALANCING = ("aux-loss", "bias")                          # docs/11-experts.md
 CONTEXT_PARALLEL_TYPES = ("ring", "ulysses", "hybrid")         # docs/10-context-parallelism.md
-OPTIMIZERS = ("adamw", "muon")
+OPTIMIZERS = ("adamw", "muon", "sgd")
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -197,7 +197,8 @@ class TrainConfig:
     grad_reduce_dtype: str = setting("fp32", "bf16/fp16: sum gradients over dp in fp32 (4 bytes an element) or in "
                                              "the parameters' format (param: 2 bytes)", choices=GRAD_REDUCE_DTYPES)
     optimizer: str = setting("adamw", "muon: Newton-Schulz-orthogonalised momentum for the blocks' matrices, AdamW "
-                                      "for the rest", choices=OPTIMIZERS)       # muon/muon.py
+                                      "for the rest; sgd: p - lr g with AdamW's decoupled weight decay, no "
+                                      "momentum", choices=OPTIMIZERS)       # muon/muon.py, optim/sgd.py
     muon_lr: float = setting(0.0, "Muon's peak learning rate (0: --lr)")   # scaled to AdamW's RMS
     muon_momentum: float = setting(0.95)
 
