@@ -8,6 +8,7 @@ from numpitron.data_parallel.buckets import DataParallelOptimizer, HierarchicalD
 from numpitron.data_parallel.distributed_optimizer import GradientGroup
 from numpitron.data_parallel.zero import ZeroOneOptimizer, ZeroTwoOptimizer
 from numpitron.data_parallel.zero3 import ZeroThreeOptimizer
+from numpitron.diloco.feature import DiLoCo
 from numpitron.experts.routing_statistics import RoutingStatistics
 from numpitron.experts.stage_experts import StageExperts
 from numpitron.model import GPTStage
@@ -77,6 +78,11 @@ def build_trainer(model_cfg, parallel_cfg, train_cfg, topo) -> Trainer:
         fp8 = DelayedScaling(list(linear_layers(model)), topo.world)
         fp8.install(linear_layers(model))
         features.insert(0, Fp8Scaling(fp8))
-    trainer = Trainer(model_cfg, parallel_cfg, train_cfg, topo, model, optimizers, step_rule, features)
+    readers = None                  # the dp ranks read the global batch, unless DiLoCo's replicas share it
+    if train_cfg.diloco_replicas:   # diloco/: an outer step after every H-th, over the replicas
+        diloco = DiLoCo(topo, optimizers, train_cfg)
+        features.append(diloco)
+        readers = diloco.readers(topo)
+    trainer = Trainer(model_cfg, parallel_cfg, train_cfg, topo, model, optimizers, step_rule, features, readers)
     trainer.fp8, trainer.scaler = fp8, scaler
     return trainer

@@ -159,5 +159,9 @@ def setup_training(args, world=None):
     world = world or MPI.COMM_WORLD
     model, parallel, train = configs_from_args(args)
     mesh = mesh_from_args(args, world.Get_size(), model, train, parallel)
+    if train.diloco_replicas:       # a Topology over each replica's ranks (diloco/replicas.py)
+        from numpitron.diloco.replicas import replica_topology
+        return model, parallel, train, replica_topology(world, mesh, train.diloco_replicas, args.collective_timeout,
+                                                        parallel.ulysses_group(mesh.cp))
     return model, parallel, train, Topology.from_mesh(world, mesh, args.collective_timeout,
                                                       parallel.ulysses_group(mesh.cp))

@@ -4,7 +4,8 @@ and loads of it (checkpoint/sharded.py, load.py), and what an export gathers.
 A checkpoint holds three flat buffers, each laid out like the store's parameters
 (`ParamStore`): the parameters and Adam's two moments (`FLAT_BUFFERS`); with Muon a
 fourth, its momentum (`MUON_BUFFER`, zero where AdamW updates, as Adam's moments are
-zero on Muon's matrices: muon/muon.py); with plain SGD (optim/sgd.py) only the first. A *range* is a half-open [lo, hi) of that
+zero on Muon's matrices: muon/muon.py); with plain SGD (optim/sgd.py) only the first;
+a DiLoCo run's add its round's start and outer momentum (`DILOCO_BUFFERS`). A *range* is a half-open [lo, hi) of that
 layout. The optimizer keeps each buffer on one range: the moments on the slice [lo, hi)
 it updates, the parameters on the whole stage (every replica holds them) or, under
 ZeRO-3, on the same slice. `buffers` names the ones this optimizer keeps.
@@ -24,7 +25,8 @@ from numpitron.distributed.sharding import balanced_bounds
 
 FLAT_BUFFERS = ("params", "adam_m", "adam_v")
 MUON_BUFFER = "muon_m"
-KNOWN_BUFFERS = FLAT_BUFFERS + (MUON_BUFFER,)          # every kind a checkpoint may hold
+DILOCO_BUFFERS = ("diloco_start", "diloco_momentum")  # DiLoCo's θ_start and outer momentum (diloco/outer.py)
+KNOWN_BUFFERS = FLAT_BUFFERS + (MUON_BUFFER,) + DILOCO_BUFFERS  # every kind a checkpoint may hold
 
 
 class TrainingState:
