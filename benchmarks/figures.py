@@ -339,7 +339,7 @@ def race(plt) -> dict:
 
 
 def traced_pipeline(plt, data_dir: Path) -> dict:
-    """Chapter 17's figure: one traced 1F1B step on two stages, the planner's prediction
+    """Chapter 18's figure: one traced 1F1B step on two stages, the planner's prediction
     of the same step under it (trace_pipeline.svg), and both summaries."""
     from numpitron.trace.draw import draw_on
     from numpitron.trace.summary import summarize

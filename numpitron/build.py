@@ -8,10 +8,12 @@ from numpitron.data_parallel.buckets import DataParallelOptimizer, HierarchicalD
 from numpitron.data_parallel.distributed_optimizer import GradientGroup
 from numpitron.data_parallel.zero import ZeroOneOptimizer, ZeroTwoOptimizer
 from numpitron.data_parallel.zero3 import ZeroThreeOptimizer
+from numpitron.diloco.feature import DiLoCo
 from numpitron.experts.routing_statistics import RoutingStatistics
 from numpitron.experts.stage_experts import StageExperts
 from numpitron.model import GPTStage
 from numpitron.muon.owners import use_muon
+from numpitron.optim.sgd import SGD
 from numpitron.precision.formats import FORMATS, LossScaler, use_format
 from numpitron.precision.fp8 import DelayedScaling, linear_layers
 from numpitron.precision.master_weights import optimizer_format
@@ -31,14 +33,16 @@ OPTIMIZERS = {0: DataParallelOptimizer, 1: ZeroOneOptimizer, 2: ZeroTwoOptimizer
 def make_optimizer(store, topo, train_cfg, parallel_cfg, group: GradientGroup | None = None,
                    zero_stage: int | None = None):
     """Built after the model: an optimizer that shards pads the store itself. With
-    --optimizer muon its update rule is Muon's, whatever the ZeRO stage, the precision
-    and the way the gradients are reduced. zero_stage: this store's, if not the run's."""
+    --optimizer muon its update rule is Muon's, with --optimizer sgd plain SGD's, whatever
+    the ZeRO stage, the precision and the way the gradients are reduced. zero_stage: this store's, if not the run's."""
     chosen = OPTIMIZERS[parallel_cfg.zero_stage if zero_stage is None else zero_stage]
     if parallel_cfg.hierarchical_all_reduce:         # plain dp only (config.py)
         chosen = HierarchicalDataParallelOptimizer
     optimizer = chosen(store, topo, train_cfg, parallel_cfg, group, precision=optimizer_format(train_cfg))
     if train_cfg.optimizer == "muon":
         use_muon(optimizer, topo, train_cfg)
+    elif train_cfg.optimizer == "sgd":
+        optimizer.use_rule(SGD(train_cfg.weight_decay))
     return optimizer
 
 
@@ -74,6 +78,11 @@ def build_trainer(model_cfg, parallel_cfg, train_cfg, topo) -> Trainer:
         fp8 = DelayedScaling(list(linear_layers(model)), topo.world)
         fp8.install(linear_layers(model))
         features.insert(0, Fp8Scaling(fp8))
-    trainer = Trainer(model_cfg, parallel_cfg, train_cfg, topo, model, optimizers, step_rule, features)
+    readers = None                  # the dp ranks read the global batch, unless DiLoCo's replicas share it
+    if train_cfg.diloco_replicas:   # diloco/: an outer step after every H-th, over the replicas
+        diloco = DiLoCo(topo, optimizers, train_cfg)
+        features.append(diloco)
+        readers = diloco.readers(topo)
+    trainer = Trainer(model_cfg, parallel_cfg, train_cfg, topo, model, optimizers, step_rule, features, readers)
     trainer.fp8, trainer.scaler = fp8, scaler
     return trainer

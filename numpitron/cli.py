@@ -59,7 +59,7 @@ class FileFlags:
     no_progress: bool = setting(False, "no progress bar")
     trace: str | None = setting(None, "write a trace of some iterations to this file, for Perfetto "
                                       "(ui.perfetto.dev): every rank's computation and communication "
-                                      "(docs/17-traces.md)", metavar="FILE.json")
+                                      "(docs/18-traces.md)", metavar="FILE.json")
     trace_iters: str | None = setting(None, "the iterations --trace records, A to B-1 as metrics.jsonl numbers "
                                             "them (default: the 3 after the run's first)", metavar="A:B")
 
@@ -170,5 +170,9 @@ def setup_training(args, world=None):
     world = world or MPI.COMM_WORLD
     model, parallel, train = configs_from_args(args)
     mesh = mesh_from_args(args, world.Get_size(), model, train, parallel)
+    if train.diloco_replicas:       # a Topology over each replica's ranks (diloco/replicas.py)
+        from numpitron.diloco.replicas import replica_topology
+        return model, parallel, train, replica_topology(world, mesh, train.diloco_replicas, args.collective_timeout,
+                                                        parallel.ulysses_group(mesh.cp))
     return model, parallel, train, Topology.from_mesh(world, mesh, args.collective_timeout,
                                                       parallel.ulysses_group(mesh.cp))

@@ -12,6 +12,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from numpitron.diloco.checks import check_diloco
 from numpitron.config_fields import as_flag, finite, integers, non_negative, positive, setting
 from numpitron.errors import UserError
 from numpitron.pipeline_parallel.schedules import (INTERLEAVED, ONE_F_ONE_B, SCHEDULES, SPLIT_BACKWARD,  # noqa: F401
@@ -23,7 +24,7 @@ DTYPES = ("float32", "float64")
 RECOMPUTE = ("none", "selective", "full")
 LOAD_BALANCING = ("aux-loss", "bias")                          # docs/11-experts.md
 CONTEXT_PARALLEL_TYPES = ("ring", "ulysses", "hybrid")         # docs/10-context-parallelism.md
-OPTIMIZERS = ("adamw", "muon")
+OPTIMIZERS = ("adamw", "muon", "sgd")
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -197,9 +198,17 @@ class TrainConfig:
     grad_reduce_dtype: str = setting("fp32", "bf16/fp16: sum gradients over dp in fp32 (4 bytes an element) or in "
                                              "the parameters' format (param: 2 bytes)", choices=GRAD_REDUCE_DTYPES)
     optimizer: str = setting("adamw", "muon: Newton-Schulz-orthogonalised momentum for the blocks' matrices, AdamW "
-                                      "for the rest", choices=OPTIMIZERS)       # muon/muon.py
+                                      "for the rest; sgd: p - lr g with AdamW's decoupled weight decay, no "
+                                      "momentum", choices=OPTIMIZERS)       # muon/muon.py, optim/sgd.py
     muon_lr: float = setting(0.0, "Muon's peak learning rate (0: --lr)")   # scaled to AdamW's RMS
     muon_momentum: float = setting(0.95)
+    # DiLoCo (diloco/, docs/17-across-slow-links.md); 0 replicas: off.
+    diloco_replicas: int = setting(0, "DiLoCo: the dp ranks split into R replicas (R divides dp) that exchange "
+                                      "nothing for --diloco-inner-steps steps, then average how far they moved "
+                                      "(0: off)")
+    diloco_inner_steps: int = setting(100, "DiLoCo: inner steps per round (H)")
+    diloco_outer_lr: float = setting(0.7, "DiLoCo: the outer step's learning rate")
+    diloco_outer_momentum: float = setting(0.9, "DiLoCo: the outer step's Nesterov momentum")
 
     def __post_init__(self):
         # A checkpoint's JSON gives a list back; a tuple keeps the config hashable.
@@ -222,6 +231,7 @@ class TrainConfig:
             raise UserError(f"--muon-lr and --muon-momentum set Muon, and this run uses --optimizer {self.optimizer}")
         if not 0 <= self.muon_momentum < 1:
             raise UserError(f"muon-momentum must lie in [0, 1), got {self.muon_momentum}")
+        check_diloco(self)                      # diloco/checks.py
         if self.rampup_batch_size:
             ramp = tuple(self.rampup_batch_size)
             if len(ramp) != 3 or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in ramp):

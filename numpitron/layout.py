@@ -3,6 +3,7 @@ the mesh. It runs identically on every rank before any communication (cli.setup_
 so a layout that cannot work is one line and never a hang."""
 
 from numpitron.config import ModelConfig, ParallelConfig, SPLIT_BACKWARD
+from numpitron.diloco.checks import check_replicas
 from numpitron.errors import UserError
 from numpitron.precision.formats import check_precision
 
@@ -54,6 +55,9 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
     if context > 1 and model.seq_len % (2 * context):
         raise UserError(f"seq_len ({model.seq_len}) must be divisible by 2 x the context-parallel size "
                         f"({2 * context}): each rank holds two chunks of every sequence (the zigzag split)")
+    if train is not None and train.diloco_replicas:
+        check_replicas(train.diloco_replicas, data, context, rest[0] if rest else 1,
+                      rest[1] if len(rest) > 1 and rest[1] else data)
     if train is not None:
         train.num_microbatches(data)
         v_shaped = parallel is not None and parallel.v_shaped
@@ -121,3 +125,4 @@ def _check_v_shape(model: ModelConfig, train, pipeline: int, data: int, schedule
         raise UserError(f"the {schedule} schedule needs at least 2 x pipeline-parallel size - 1 = {2 * pipeline - 1} "
                         f"micro-batches per step (rank 0 runs that many forwards before its first backward), got "
                         f"{train.num_microbatches(data)}: raise --global-batch-size")
+

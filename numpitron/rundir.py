@@ -78,13 +78,20 @@ def _open_lock_file(path: Path) -> int:
     return fd
 
 
+def checkpoint_roots(out_dir: Path) -> list[Path]:
+    """Where a run's checkpoints live: CHECKPOINTS, and a DiLoCo run's replica-K in it
+    (one per replica: diloco/replicas.py)."""
+    root = out_dir / "checkpoints"
+    return [root] + sorted(p for p in root.glob("replica-*") if p.is_dir() and not p.is_symlink())
+
+
 def previous_run(out_dir: Path) -> list[str]:
     """What of a previous run the directory holds (empty: nothing)."""
     found = []
     metrics = out_dir / METRICS_NAME
     if metrics.is_file() and metrics.stat().st_size > 0:
         found.append(METRICS_NAME)
-    checkpoints = iter_dirs(out_dir / "checkpoints")
+    checkpoints = [p for root in checkpoint_roots(out_dir) for p in iter_dirs(root)]
     if checkpoints:
         found.append(f"{len(checkpoints)} checkpoint(s)")
     return found
@@ -124,21 +131,23 @@ def _prepare(out_dir: Path, resume: bool, overwrite: bool) -> list[str]:
     if found and not resume and not overwrite:
         raise UserError(f"--out-dir {out_dir} already holds a run ({', '.join(found)}): pass --resume to continue "
                         f"it, --overwrite to replace it, or choose another --out-dir")
-    root = out_dir / "checkpoints"
-    # A directory named like a checkpoint this run may write, holding a user's files,
-    # would stop the run at that save: refuse now, before anything is touched.
-    resumed_from = latest_checkpoint(root) if resume else None
-    start = -1 if resumed_from is None else iteration_of(resumed_from)
-    theirs = [p for p in iter_dirs(root) if iteration_of(p) > start and not written_by_us(p)]
-    if theirs:
-        raise UserError(f"{theirs[0]} holds files numpitron did not write, where this run would save a checkpoint: "
-                        f"move it away first")
-    if overwrite and found:
-        removed = [p for p in iter_dirs(root) if remove_tree(p)]
-        (out_dir / METRICS_NAME).unlink(missing_ok=True)
+    for root in checkpoint_roots(out_dir):
+        # A directory named like a checkpoint this run may write, holding a user's files,
+        # would stop the run at that save: refuse now, before anything is touched.
+        resumed_from = latest_checkpoint(root) if resume else None
+        start = -1 if resumed_from is None else iteration_of(resumed_from)
+        theirs = [p for p in iter_dirs(root) if iteration_of(p) > start and not written_by_us(p)]
+        if theirs:
+            raise UserError(f"{theirs[0]} holds files numpitron did not write, where this run would save a "
+                            f"checkpoint: move it away first")
+    removed = []
+    for root in checkpoint_roots(out_dir) if overwrite and found else []:
+        removed += [p for p in iter_dirs(root) if remove_tree(p)]
         if is_latest_pointer(root / LATEST_NAME):
             (root / LATEST_NAME).unlink()
         clear_leftovers(root)
+    if overwrite and found:
+        (out_dir / METRICS_NAME).unlink(missing_ok=True)
         notes.append(f"--overwrite: removed {METRICS_NAME} and {len(removed)} checkpoint(s) from {out_dir}")
     return notes
 
@@ -147,7 +156,7 @@ def claim_on_every_rank(topo, out_dir, resume: bool, overwrite: bool) -> RunLock
     """Rank 0 claims the directory and prints its notes; every rank raises its error.
     Returns the lock on rank 0 (None elsewhere): hold it until the run ends."""
     outcome, lock = None, None
-    if topo.rank == 0:
+    if topo.job.rank == 0:
         try:
             lock, notes = claim(out_dir, resume, overwrite)
             for note in notes:
@@ -155,7 +164,7 @@ def claim_on_every_rank(topo, out_dir, resume: bool, overwrite: bool) -> RunLock
             outcome = ("ok", "")
         except UserError as error:
             outcome = ("error", str(error))
-    status, message = topo.world.broadcast_object(outcome)
+    status, message = topo.job.broadcast_object(outcome)
     if status != "ok":
         raise UserError(message)
     return lock

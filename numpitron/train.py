@@ -18,6 +18,7 @@ from numpitron.checkpoint.manifest import iter_dirs
 from numpitron.checkpoint.prune import written_by_us
 from numpitron.config_file import write_run_config
 from numpitron.data.prepare import ensure_prepared
+from numpitron.diloco.replicas import replicas_of
 from numpitron.data.prepared import load_prepared
 from numpitron.divergence import SkippedSteps, check_diverged
 from numpitron.optim.memory_report import memory_bytes
@@ -39,9 +40,9 @@ QUIET = dict(over="ignore", invalid="ignore", divide="ignore")
 def prepare_data_on_ranks(topo, data_dir: Path, input_path=None) -> dict:
     """Rank 0 prepares the data (download or copy); the others wait, then use it.
     A rank on a host without the shared directory prepares its own copy."""
-    if topo.rank == 0:
+    if topo.job.rank == 0:
         ensure_prepared(data_dir, input_path, quiet=False)
-    topo.world.barrier()
+    topo.job.barrier()
     return ensure_prepared(data_dir, input_path, quiet=True)
 
 
@@ -56,11 +57,14 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
     paths = prepare_data_on_ranks(topo, data_dir, input_path)
     tokenizer, splits = on_every_rank(topo.world, lambda: load_prepared(paths, model_cfg.seq_len))
     model_cfg = replace(model_cfg, vocab_size=tokenizer.vocab_size).validate()
-    check_eval_iters(train_cfg, train_cfg.global_batch(topo.dp), model_cfg.seq_len, splits)
+    replicas = replicas_of(topo)        # DiLoCo's (diloco/): one, the run itself, without it
+    check_eval_iters(train_cfg, train_cfg.global_batch(topo.dp * replicas.count), model_cfg.seq_len, splits)
     on_every_rank(topo.world, lambda: check_fits(model_cfg, parallel_cfg, train_cfg, topo))
     lock = claim_on_every_rank(topo, out_dir, resume, overwrite)         # held until the run ends
     trainer = build_trainer(model_cfg, parallel_cfg, train_cfg, topo)
     ckpt_root = out_dir / "checkpoints"
+    if topo.replicas is not None:       # each replica its own checkpoints: its inner state is its own
+        ckpt_root = ckpt_root / f"replica-{replicas.index}"
     best_ckpt = None
     if resume:
         if not resume_from_latest(ckpt_root, trainer, train_cfg, tokenizer, reseed):
@@ -69,7 +73,7 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
             return {"iterations": trainer.iteration, "trained": 0, "trainer": trainer}
         best_ckpt = best_checkpoint(ckpt_root)
     # Only a run that will train leaves its configuration: a refused resume changes no file.
-    if run_config is not None and topo.rank == 0:
+    if run_config is not None and topo.is_logger:
         note = write_run_config(out_dir, run_config)
         if note:
             print(note, flush=True)
@@ -80,6 +84,9 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
     log = MetricsLog(out_dir / METRICS_NAME, topo.is_logger, trainer.iteration if resume else None)
     if topo.is_logger:
         print(topo, flush=True)
+        if topo.replicas is not None:
+            print(f"DiLoCo: {replicas.count} replicas of this mesh, an outer step every "
+                  f"{train_cfg.diloco_inner_steps} steps", flush=True)
         print(f"model: {sum(int(math.prod(p.logical_shape)) for p in trainer.model.parameters())} parameters on stage 0; "
               f"{trainer.num_microbatches} micro-batches of {train_cfg.micro_batch_size} per dp rank", flush=True)
     first_iteration = trainer.iteration
@@ -161,6 +168,12 @@ def resume_from_latest(ckpt_root: Path, trainer, train_cfg, tokenizer, reseed: b
     if found is None:
         raise UserError(f"--resume: no checkpoint in {ckpt_root}")
     manifest = load_checkpoint(found, trainer)
+    replicas = replicas_of(trainer.topo)
+    newest, oldest = replicas.job.all_reduce_object_max(trainer.iteration), -replicas.job.all_reduce_object_max(
+        -trainer.iteration)
+    if newest != oldest:
+        raise UserError(f"--resume: the DiLoCo replicas' latest checkpoints are at different iterations "
+                        f"(a kill between their saves): remove the newer ones in {ckpt_root.parent}")
     saved_tokenizer = manifest.get("tokenizer")
     if saved_tokenizer is not None and saved_tokenizer != tokenizer.to_dict():
         raise UserError(f"--resume: {found} was trained with another tokenizer than the data's "

@@ -20,6 +20,8 @@ features that act around each step (`StepFeature`: FP8's amax histories, the exp
 routing statistics), none of which the step itself knows.
 """
 
+from typing import NamedTuple
+
 import numpy as np
 
 from numpitron.context_parallel.zigzag import local_positions
@@ -44,9 +46,17 @@ class PlainStep:
         return {}
 
 
+class Readers(NamedTuple):
+    """The ranks that split each global batch's rows, and this rank's place among them:
+    the dp ranks (DiLoCo's replicas read theirs side by side: diloco/feature.py)."""
+    count: int
+    index: int
+
+
 class StepFeature:
     """Something that acts around every step without the step knowing it: before the
-    micro-batches run, once the gradients are final, and on the step's metrics."""
+    micro-batches run, once the gradients are final, on the step's metrics, and on an
+    evaluation's losses."""
 
     def begin_step(self, trainer) -> None:
         pass
@@ -57,12 +67,16 @@ class StepFeature:
     def end_step(self, trainer, out: dict) -> None:
         pass
 
+    def end_evaluate(self, trainer, out: dict) -> None:
+        pass
+
 
 class Trainer:
     """Configs as `cli.setup_training` validated them, on any Topology; the stage and its
     optimizers as build.py builds them."""
 
-    def __init__(self, model_cfg, parallel_cfg, train_cfg, topo, model, optimizers, step_rule=None, features=()):
+    def __init__(self, model_cfg, parallel_cfg, train_cfg, topo, model, optimizers, step_rule=None, features=(),
+                 readers: Readers | None = None):
         self.model_cfg, self.parallel_cfg, self.train_cfg, self.topo = model_cfg, parallel_cfg, train_cfg, topo
         self.model = model
         # Every rank learns if any stage holds a layer the schedule cannot run.
@@ -72,29 +86,31 @@ class Trainer:
         self.optimizers, self.optimizer = optimizers, optimizers[0]
         self.step_rule = step_rule or PlainStep()
         self.features = list(features)
+        self.readers = readers or Readers(topo.dp, topo.dp_rank)
         self.fp8 = None             # FP8's delayed scaling, when a feature (build.py)
         self.scaler = None          # the loss scaler a checkpoint keeps (build.py)
         self.iteration = 0          # number of completed optimizer steps
         self.best_val_loss = float("inf")
-        self.eval_batch_size = train_cfg.global_batch(topo.dp)   # evaluation always takes the full batch
+        self.eval_batch_size = train_cfg.global_batch(self.readers.count)   # evaluation: always the full batch
         self.set_batch(0)
 
     def set_batch(self, iteration: int) -> None:
         """The global batch of `iteration` (it grows during a ramp-up: --rampup-batch-size)
         and so the micro-batches per dp rank, whose losses the schedule weights 1/m."""
-        self.global_batch_size = self.train_cfg.global_batch_at(iteration, self.topo.dp)
-        self.num_microbatches = self.global_batch_size // (self.train_cfg.micro_batch_size * self.topo.dp)
+        readers = self.readers.count
+        self.global_batch_size = self.train_cfg.global_batch_at(iteration, readers)
+        self.num_microbatches = self.global_batch_size // (self.train_cfg.micro_batch_size * readers)
         self.model.loss_weight = 1.0 / self.num_microbatches
 
     def microbatches(self, tokens, stream: str, index: int, batch_size: int | None = None):
         """This rank's share of global batch `index` of `stream` (of the step's size unless
-        told), as micro-batches: the dp rank's rows, and of each row the cp rank's tokens
-        (context_parallel/zigzag.py)."""
+        told), as micro-batches: the rows of its place among the readers (its dp rank),
+        and of each row the cp rank's tokens (context_parallel/zigzag.py)."""
         topo, batch_size = self.topo, batch_size or self.global_batch_size
         x, y = global_batch(tokens, self.train_cfg.seed, stream, index, batch_size, self.model_cfg.seq_len)
         mine = local_positions(self.model_cfg.seq_len, topo.cp, topo.cp_rank)
         x, y = x[:, mine], y[:, mine]
-        start, stop = shard_bounds(batch_size, topo.dp, topo.dp_rank)
+        start, stop = shard_bounds(batch_size, *self.readers)
         mb = self.train_cfg.micro_batch_size
         return [(x[s:s + mb], y[s:s + mb]) for s in range(start, stop, mb)]
 
@@ -149,4 +165,6 @@ class Trainer:
                                        self.microbatches(tokens, f"eval-{name}", k, self.eval_batch_size),
                                        self.parallel_cfg.schedule)
             out[name] = self.mean_loss(losses)
+        for feature in self.features:
+            feature.end_evaluate(self, out)
         return out

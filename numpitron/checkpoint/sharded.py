@@ -29,7 +29,7 @@ from numpitron.checksum import file_crc32
 from numpitron.distributed.sharding import pad_to_multiple, shard_bounds
 from numpitron.errors import UserError
 from numpitron.nn.param import pad_to_full
-from numpitron.optim.training_state import FLAT_BUFFERS, KNOWN_BUFFERS, MUON_BUFFER
+from numpitron.optim.training_state import KNOWN_BUFFERS
 
 SHARDS = "shards"
 
@@ -210,8 +210,9 @@ def check_tables(path: Path, tensors: dict, files: dict, pieces: list) -> None:
         ranges.setdefault((piece["kind"], piece["name"]), {}).setdefault(shard, []).append(
             (piece["start"], piece["stop"]))
         tp_sizes.setdefault((piece["kind"], piece["name"]), set()).add(tp_size)
-    # Every checkpoint holds the FLAT_BUFFERS; a Muon run's holds its momentum as well.
-    kinds = FLAT_BUFFERS + ((MUON_BUFFER,) if any(kind == MUON_BUFFER for kind, _ in ranges) else ())
+    # Every checkpoint holds the parameters, and every kind of state it holds anywhere
+    # (Adam's moments; with Muon its momentum; plain SGD none) it holds for every tensor.
+    kinds = ("params",) + tuple(k for k in KNOWN_BUFFERS[1:] if any(kind == k for kind, _ in ranges))
     for name, meta in tensors.items():
         for kind in kinds:
             _check_coverage(bad, kind, name, meta, ranges.get((kind, name), {}), tp_sizes.get((kind, name), set()))

@@ -109,6 +109,9 @@ class Topology:
         self.expert_dp_shard = max(self.dp_shard * cp // ep, 1)
         self.expert_dp_shard_rank = self.expert_dp_rank % self.expert_dp_shard
         self.world = Comm(world, self.stats, "world")
+        # DiLoCo (diloco/replicas.py) builds one Topology per replica over the replica's
+        # ranks and tells it the others: their count, its index, the group joining them.
+        self.replicas = None
         # Each rank's host, gathered once at set-up: the printout names them, and a
         # group whose ranks sit on several hosts crosses the network (docs/15-many-hosts.md).
         self.hostnames = [socket.gethostname()] if world is None else world.allgather(socket.gethostname())
@@ -204,9 +207,14 @@ class Topology:
         return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
     @property
+    def job(self) -> Comm:
+        """Every rank of the job: the world, or with DiLoCo every replica's ranks."""
+        return self.world if self.replicas is None else self.replicas.job
+
+    @property
     def is_logger(self) -> bool:
-        """Exactly one rank in the world prints and writes files."""
-        return self.rank == 0
+        """Exactly one rank of the job prints and writes files."""
+        return self.job.rank == 0
 
     def __str__(self) -> str:
         experts = f" (experts split over ep={self.ep} of the dp x cp ranks)" if self.ep > 1 else ""

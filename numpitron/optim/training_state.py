@@ -4,7 +4,8 @@ and loads of it (checkpoint/sharded.py, load.py), and what an export gathers.
 A checkpoint holds three flat buffers, each laid out like the store's parameters
 (`ParamStore`): the parameters and Adam's two moments (`FLAT_BUFFERS`); with Muon a
 fourth, its momentum (`MUON_BUFFER`, zero where AdamW updates, as Adam's moments are
-zero on Muon's matrices: muon/muon.py). A *range* is a half-open [lo, hi) of that
+zero on Muon's matrices: muon/muon.py); with plain SGD (optim/sgd.py) only the first;
+a DiLoCo run's add its round's start and outer momentum (`DILOCO_BUFFERS`). A *range* is a half-open [lo, hi) of that
 layout. The optimizer keeps each buffer on one range: the moments on the slice [lo, hi)
 it updates, the parameters on the whole stage (every replica holds them) or, under
 ZeRO-3, on the same slice. `buffers` names the ones this optimizer keeps.
@@ -24,7 +25,8 @@ from numpitron.distributed.sharding import balanced_bounds
 
 FLAT_BUFFERS = ("params", "adam_m", "adam_v")
 MUON_BUFFER = "muon_m"
-KNOWN_BUFFERS = FLAT_BUFFERS + (MUON_BUFFER,)          # every kind a checkpoint may hold
+DILOCO_BUFFERS = ("diloco_start", "diloco_momentum")  # DiLoCo's θ_start and outer momentum (diloco/outer.py)
+KNOWN_BUFFERS = FLAT_BUFFERS + (MUON_BUFFER,) + DILOCO_BUFFERS  # every kind a checkpoint may hold
 
 
 class TrainingState:
@@ -62,13 +64,11 @@ class TrainingState:
         return lo + start, lo + stop
 
     def values_in_range(self, lo: int, hi: int) -> dict:
-        moments = self.adam.flat_state()
-        hi_moments = self.lo + moments["adam_m"].size
-        if not (self.lo <= lo <= hi <= hi_moments):
-            raise ValueError(f"[{lo}, {hi}) is outside this rank's [{self.lo}, {hi_moments})")
-        values = {}
+        moments, values = self.adam.flat_state(), {}
         for buffer in self.buffers:
             held, start = self._held(buffer, moments)
+            if not (start <= lo <= hi <= start + held.size):
+                raise ValueError(f"[{lo}, {hi}) is outside this rank's {buffer} [{start}, {start + held.size})")
             values[buffer] = held[lo - start:hi - start]
         return values
 

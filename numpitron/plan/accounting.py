@@ -146,7 +146,9 @@ def block_elements(model, rank: Rank) -> list[int]:
 
 
 def optimizer_state_elements(model, rank: Rank, lo: int, hi: int, optimizer: str, experts: bool = False) -> int:
-    """AdamW keeps two moments per element of [lo, hi); Muon one on its matrices."""
+    """AdamW keeps two moments per element of [lo, hi); Muon one on its matrices; SGD none."""
+    if optimizer == "sgd":
+        return 0
     return 2 * (hi - lo) - (muon_elements(model, rank, lo, hi, experts) if optimizer == "muon" else 0)
 
 
