@@ -158,7 +158,7 @@ def test_untraced_runs_carry_no_wrapper_and_a_trace_leaves_none(data_dir, shared
 
 def test_a_trace_draws(traced, tmp_path):
     """Conditional on matplotlib alone (the `docs` extra): without it there is nothing to draw with."""
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401  (the dev extra installs it: the drawing is tested, never skipped)
     from numpitron.trace.draw import draw, rows_of
     trace = traced("pp2")[0]
     rows, iteration, length = rows_of(trace, 3)
