@@ -12,6 +12,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from numpitron.compression.checks import COMPRESSIONS
 from numpitron.diloco.checks import check_diloco
 from numpitron.config_fields import as_flag, finite, integers, non_negative, positive, setting
 from numpitron.errors import UserError
@@ -100,7 +101,6 @@ class ModelConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     """How to parallelise, beyond the mesh's sizes (which only the Topology holds)."""
-
     SECTION: ClassVar[str] = "parallelism"
 
     schedule: str = setting(ONE_F_ONE_B, "the order of forwards and backwards on each stage "
@@ -114,6 +114,8 @@ class ParallelConfig:
                                         flag="no-overlap-grad-reduce")
     hierarchical_all_reduce: bool = setting(False, "plain dp: sum gradients in two levels, inside the shard group "
                                                    "then across the replicas")
+    grad_compression: str = setting("none", "plain dp: gradients sent as int8 or PowerSGD factors", choices=COMPRESSIONS)
+    powersgd_rank: int = setting(4, "--grad-compression powersgd: the rank r of each matrix's factors")
     sequence_parallel: bool = setting(False, "split LayerNorm and residual activations over tp along the sequence")
     recompute: str = setting("none", "recompute in the backward: nothing, the attention probabilities, or whole "
                                      "blocks", choices=RECOMPUTE)
@@ -170,7 +172,6 @@ class TrainConfig:
 
     micro_batch_size: int = setting(12)
     global_batch_size: int = setting(0, "default: micro batch x dp", unset=True)   # 0: micro batch x dp
-    # (start, increment, samples), or () : no ramp-up
     rampup_batch_size: tuple[int, ...] = setting((), "grow the global batch from START by INCREMENT, evenly over "
                                                      "the first SAMPLES samples (Megatron's semantics)", unset=True,
                                                  count=3, metavar=("START", "INCREMENT", "SAMPLES"))

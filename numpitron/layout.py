@@ -3,6 +3,7 @@ the mesh. It runs identically on every rank before any communication (cli.setup_
 so a layout that cannot work is one line and never a hang."""
 
 from numpitron.config import ModelConfig, ParallelConfig, SPLIT_BACKWARD
+from numpitron.compression.checks import check_compression
 from numpitron.diloco.checks import check_replicas
 from numpitron.errors import UserError
 from numpitron.precision.formats import check_precision
@@ -55,6 +56,8 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
     if context > 1 and model.seq_len % (2 * context):
         raise UserError(f"seq_len ({model.seq_len}) must be divisible by 2 x the context-parallel size "
                         f"({2 * context}): each rank holds two chunks of every sequence (the zigzag split)")
+    if parallel is not None:
+        check_compression(model, train, parallel)             # compression/checks.py
     if train is not None and train.diloco_replicas:
         check_replicas(train.diloco_replicas, data, context, rest[0] if rest else 1,
                       rest[1] if len(rest) > 1 and rest[1] else data)

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from numpitron.checkpoint.manifest import LATEST_NAME, is_complete, iter_dirs, iteration_of, read_manifest
+from numpitron.checkpoint.rank_state import read_rank_state
 from numpitron.checkpoint.sharded import ShardedReader, cut_range
 from numpitron.config import ModelConfig
 from numpitron.distributed.agree import on_every_rank
@@ -107,6 +108,7 @@ def _load_training_state(path: Path, trainer) -> dict:
     bias = saved_routing_bias(manifest, model, path)
     scaler = saved_loss_scaler(manifest.get("loss_scaler"), str(path))
     amax_history = saved_amax_history(manifest, path)
+    restore_rank_state = read_rank_state(path, manifest, trainer)
     # Everything is read into fresh buffers first: a failure leaves the trainer untouched.
     # Each store (the dense parameters, the experts: asked for by global index, whatever
     # ep) gets the ranges its optimizer keeps.
@@ -116,6 +118,7 @@ def _load_training_state(path: Path, trainer) -> dict:
     for optimizer, values in zip(trainer.optimizers, wanted):
         optimizer.state.load(lambda buffer, lo, hi, values=values: values[buffer, lo, hi], manifest["adam_step"])
     routing_bias(model)[...] = bias
+    restore_rank_state()
     if trainer.scaler:              # a mixed-precision run's
         trainer.scaler.restore(scaler)
     if trainer.fp8:                 # another precision's run has none: it calibrates again

@@ -18,6 +18,7 @@ import numpy as np
 from numpitron.checkpoint.load import routing_bias
 from numpitron.checkpoint.manifest import (FORMAT_VERSION, LATEST_NAME, MANIFEST_NAME, TMP_PREFIX, is_latest_pointer,
                                            iter_dir_name, write_json_synced)
+from numpitron.checkpoint.rank_state import write_rank_state
 from numpitron.checkpoint.prune import OWNER_MARKER, prune_checkpoints, written_by_us
 from numpitron.checkpoint.sharded import SHARDS, merge_rank_tables, write_rank_shard, write_shard
 from numpitron.config import to_dict
@@ -49,6 +50,7 @@ def save_checkpoint(root, trainer, keep: int = 2, protect: Path | None = None, e
         raise UserError(str(tmp))
     try:
         table = write_rank_shard(Path(tmp), trainer)
+        write_rank_state(Path(tmp), trainer)         # error-feedback residuals: one file a rank
     except OSError as error:
         table = f"cannot write checkpoint to {root} (rank {world.rank}): {error}"
     except Exception as error:       # a bug: the others learn of it instead of hanging
