@@ -218,6 +218,42 @@ CASES += [
          ("against 1.48 s of matmuls", 1.48, 0.005, stage("matmul", 1))]),
 ]
 
+H100 = PAPER["h100-80gb-node"]
+TP8 = f"{GPT_1_3B} --tensor-parallel-size 8 --data-parallel-size 4 --global-batch-size 512"
+
+
+def alpha_ms(device):
+    """What per-message latency adds to a stage's intra-host time: its seconds less its bytes over the link."""
+    return lambda r: 1e3 * (r["stages"][0]["tiers"]["intra"]["seconds"]
+                            - r["stages"][0]["tiers"]["intra"]["bytes"] / device.intra_bandwidth)
+
+
+def bytes_ms(device):
+    return lambda r: 1e3 * r["stages"][0]["tiers"]["intra"]["bytes"] / device.intra_bandwidth
+
+
+CASES += [
+    ("19-roofline.md", f"{TP8} --micro-batch-size 1", [
+        ("it predicts 915 ms of matmuls", 915, 0.5, stage("matmul")),
+        ("and 2.46 s of element-wise passes", 2.46, 0.005, stage("elementwise", 1)),
+        ("of its 1,164 ms of exposed communication", 1164, 0.5, stage("exposed_comm")),
+        ("the bytes take 614 ms and alpha 543 ms", 614, 0.5, bytes_ms(A100)),
+        ("the bytes take 614 ms and alpha 543 ms", 543, 0.5, alpha_ms(A100)),
+        ("900 KB x 8 / 8.4 MB = 0.86", 0.86, 0.03,      # the loss's three small all-reduces: alpha, few bytes
+         lambda r: alpha_ms(A100)(r) / bytes_ms(A100)(r))]),
+    ("19-roofline.md", f"{TP8} --micro-batch-size 16", [
+        ("the exposed communication falls to 648 ms", 648, 0.5, stage("exposed_comm")),
+        ("of which alpha is 34 ms", 34, 0.5, alpha_ms(A100))]),
+    ("19-roofline.md", f"{TP8.replace('a100-80gb-node', 'h100-80gb-node')} --micro-batch-size 1", [
+        ("gives 289 ms of matmuls and 958 ms of exposed communication", 289, 0.5, stage("matmul")),
+        ("gives 289 ms of matmuls and 958 ms of exposed communication", 958, 0.5, stage("exposed_comm")),
+        ("409 ms of bytes and the same 543 ms of alpha", 409, 0.5, bytes_ms(H100)),
+        ("409 ms of bytes and the same 543 ms of alpha", 543, 0.5, alpha_ms(H100)),
+        ("almost twice the matmuls", 1.9, 0.1, lambda r: alpha_ms(H100)(r) / stage("matmul")(r))]),
+] + [("19-roofline.md", f"{TP8} --micro-batch-size {mb}", [
+    ("gives those three figures", ms, 0.5, alpha_ms(A100)),
+    ("271, 136 and 68 ms", ms, 0.5, alpha_ms(A100))]) for mb, ms in ((2, 271), (4, 136), (8, 68))]
+
 
 def page_text(page: str) -> str:
     return " ".join((REPO / "docs" / page).read_text().split())
