@@ -89,27 +89,21 @@ class StageProbe(StepFeature):
         return traced
 
     def _layer(self, name: str, call):
-        rec = self.rec
-
-        def traced(*args, **kwargs):
-            if not rec.active:
-                return call(*args, **kwargs)
-            start = now()
-            try:
-                return call(*args, **kwargs)
-            finally:
-                rec.add(name, "layer", COMPUTE, start, now(), self.current)
-        return traced
+        return self._timed(name, "layer", call, lambda: self.current)
 
     def _span(self, name: str, call):
+        return self._timed(name, "compute" if name != "optimizer step" else "optimizer", call, lambda: None)
+
+    def _timed(self, name: str, category: str, call, args):
+        """`call`, recorded as one span on the compute track while the recorder is active."""
         rec = self.rec
 
-        def traced(*args, **kwargs):
+        def traced(*a, **kwargs):
             if not rec.active:
-                return call(*args, **kwargs)
+                return call(*a, **kwargs)
             start = now()
             try:
-                return call(*args, **kwargs)
+                return call(*a, **kwargs)
             finally:
-                rec.add(name, "compute" if name != "optimizer step" else "optimizer", COMPUTE, start, now())
+                rec.add(name, category, COMPUTE, start, now(), args())
         return traced
