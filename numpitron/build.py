@@ -22,9 +22,10 @@ from numpitron.precision.mixed_step import Fp8Scaling, MixedPrecisionStep
 from numpitron.trainer import Trainer
 
 
-def build_stage(model_cfg, topo, **options) -> GPTStage:
-    """This rank's stage; options are GPTStage's (seed, sequence_parallel, recompute, ...)."""
-    experts = StageExperts(model_cfg, topo) if model_cfg.num_experts else None
+def build_stage(model_cfg, topo, moe_a2a_overlap: bool = True, **options) -> GPTStage:
+    """This rank's stage; options are GPTStage's (seed, sequence_parallel, recompute, ...);
+    moe_a2a_overlap goes to the experts alone (experts/moe.py)."""
+    experts = StageExperts(model_cfg, topo, moe_a2a_overlap) if model_cfg.num_experts else None
     return GPTStage(model_cfg, topo, experts=experts, **options)
 
 
@@ -66,7 +67,7 @@ def build_trainer(model_cfg, parallel_cfg, train_cfg, topo) -> Trainer:
     model = build_stage(model_cfg, topo, seed=train_cfg.seed, sequence_parallel=parallel_cfg.sequence_parallel,
                         recompute=parallel_cfg.recompute, loss_weight=1.0 / train_cfg.num_microbatches(topo.dp),
                         virtual_stages=parallel_cfg.virtual_stages, v_shape=parallel_cfg.v_shaped,
-                        tp_comm_overlap=parallel_cfg.tp_comm_overlap)
+                        tp_comm_overlap=parallel_cfg.tp_comm_overlap, moe_a2a_overlap=parallel_cfg.moe_a2a_overlap)
     optimizers = make_optimizers(model, topo, train_cfg, parallel_cfg)
     optimizers[0].install(model)            # ZeRO-3 gathers each layer while it runs
     # Mixed precision (docs/16-numbers.md): activations rounded between layers,

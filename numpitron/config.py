@@ -112,8 +112,7 @@ class ParallelConfig:
     bucket_size: int = setting(1 << 20, "elements per data-parallel gradient bucket")
     overlap_grad_reduce: bool = setting(True, "reduce gradients after the backward instead of during it",
                                         flag="no-overlap-grad-reduce")
-    hierarchical_all_reduce: bool = setting(False, "plain dp: sum gradients in two levels, inside the shard group "
-                                                   "then across the replicas")
+    hierarchical_all_reduce: bool = setting(False, "plain dp: sum gradients in two levels: shard group, replicas")
     grad_compression: str = setting("none", "plain dp: gradients sent as int8 or PowerSGD factors", choices=COMPRESSIONS)
     powersgd_rank: int = setting(4, "--grad-compression powersgd: the rank r of each matrix's factors")
     sequence_parallel: bool = setting(False, "split LayerNorm and residual activations over tp along the sequence")
@@ -125,6 +124,7 @@ class ParallelConfig:
     ulysses_size: int = setting(0, "with --context-parallel-type hybrid: cp ranks per all-to-all group")
     tp_comm_overlap: bool = setting(True, "hide each column-parallel layer's input-gradient collective behind its "
                                           "weight gradient", negatable=True)
+    moe_a2a_overlap: bool = setting(True, "hide the experts' all-to-alls behind the shared experts", negatable=True)
 
     def __post_init__(self):
         if self.schedule in V_SHAPED and self.virtual_stages == 1:     # a V has two chunks per rank

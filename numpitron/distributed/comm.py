@@ -211,18 +211,24 @@ class Comm:
         """Blocks of different sizes along axis 0: rows [sum(send_rows[:r]), +send_rows[r])
         of `send` go to rank r; returns the rows received, rank 0's first. Every rank must
         know what it will receive (exchange the counts first, with `all_to_all`)."""
+        recv, pending = self.iall_to_allv(send, send_rows, recv_rows)
+        self.wait(pending)
+        return recv
+
+    def iall_to_allv(self, send: np.ndarray, send_rows, recv_rows) -> tuple[np.ndarray, Pending]:
+        """Start `all_to_allv` (counted alike): the array the rows arrive in, read after `wait`."""
         row = int(np.prod(send.shape[1:]))
         recv = np.empty((int(np.sum(recv_rows)),) + send.shape[1:], send.dtype)
         if self.size == 1:
             recv[...] = send
-            return recv
+            return recv, Pending(None, "")
 
         def spec(buf, rows):
             counts = np.asarray(rows, np.int64) * row
             return [buf, (counts, np.concatenate([[0], np.cumsum(counts)[:-1]]))]
-        sent = (int(np.sum(send_rows)) - int(send_rows[self.rank])) * row * send.itemsize
-        self._timed("all_to_allv", sent, lambda: self.mpi.Alltoallv(spec(send, send_rows), spec(recv, recv_rows)))
-        return recv
+        collective, specs = f"{self.name}.all_to_allv", (spec(send, send_rows), spec(recv, recv_rows))
+        self.stats.add(collective, (int(np.sum(send_rows)) - int(send_rows[self.rank])) * row * send.itemsize)
+        return recv, Pending(self.mpi.Ialltoallv(*specs), collective, buffers=(send, recv, specs))
 
     def broadcast(self, buf: np.ndarray, root: int = 0) -> np.ndarray:
         if self.size > 1:

@@ -29,6 +29,14 @@ are copies and this is the whole computation of one process.
 The backward runs the same path in reverse (token_dispatch.py): the output gradient
 goes to the experts like a dispatch, the experts' input gradient comes back like a
 combine. The router gets dL/dgate[t, j] = dy[t] . out[t, j] for kept choices.
+
+Overlap (--moe-a2a-overlap, DeepSeek-V3 §3.2.1's filler, within one layer): each
+all-to-all is started, then the layer computes what does not need it, then waits. While
+the dispatch travels: the shared experts' forward; while the output gradient travels to
+the experts: the shared experts' input gradient; while the input gradients come back:
+the router's. The combine has nothing to hide behind inside the layer (that is the other
+chunk's work under DualPipe). Off, every all-to-all is waited for where it starts; the
+arithmetic and the bytes are the same either way.
 """
 
 import numpy as np
@@ -75,11 +83,12 @@ class MixtureOfExperts(Layer):
     def __init__(self, name: str, d_model: int, topo, out_std: float, num_experts: int, top_k: int,
                  capacity_factor: float, aux_loss_coef: float, loss_weight: float = 1.0,
                  block: int = 0, log: RoutingLog | None = None, balance_bias: np.ndarray | None = None,
-                 shared_experts: int = 0, expert_hidden: int = 0, region=None):
+                 shared_experts: int = 0, expert_hidden: int = 0, region=None, a2a_overlap: bool = True):
         """balance_bias: the router's (E,) bias (experts/router.py), None with the aux loss;
         expert_hidden: every expert's hidden width (0: 4C); region: the block's tp region
         (the dense MLP's: under sp the layer gathers its input along the sequence with it,
-        and the shared experts use it as the dense MLP does)."""
+        and the shared experts use it as the dense MLP does); a2a_overlap: the all-to-alls
+        travel while the layer computes what does not need them (False: they block)."""
         self.region = region or ReplicatedRegion(topo.tp_comm)
         self.router = TopKRouter(f"{name}.router", d_model, num_experts, top_k, capacity_factor, aux_loss_coef,
                                  loss_weight, balance_bias, topo.cp_comm, self.region)
@@ -89,7 +98,7 @@ class MixtureOfExperts(Layer):
         self.shared = ParallelMLP(f"{name}.shared", d_model, topo, out_std, self.region,
                                   hidden=shared_experts * hidden) \
             if shared_experts else None
-        self.dispatcher = AllToAllDispatcher(topo.ep_comm, num_experts)
+        self.dispatcher = AllToAllDispatcher(topo.ep_comm, num_experts, a2a_overlap)
         self.E, self.k, self.block, self.log = num_experts, top_k, block, log
 
     def parameters(self):
@@ -106,7 +115,9 @@ class MixtureOfExperts(Layer):
         by_expert = np.argsort(expert, kind="stable")
         token, slot = token[by_expert], slot[by_expert]
         plan = self.dispatcher.plan(np.bincount(expert, minlength=self.E))
-        expert_in = self.dispatcher.dispatch(rows(x)[token], plan)                 # all-to-all
+        arriving = self.dispatcher.start_dispatch(rows(x)[token], plan)            # all-to-all, started
+        shared = self.shared.forward(x_mine) if self.shared else None              # meanwhile: the filler
+        expert_in = arriving()
         expert_out, experts_cache = self.experts.forward(expert_in, plan.expert_rows)
         out = self.dispatcher.combine(expert_out, plan)                            # all-to-all back
         gate = routing.gates[token, slot]
@@ -118,7 +129,7 @@ class MixtureOfExperts(Layer):
                  "token": token, "slot": slot, "out": out}
         y = self.region.sequence_part(y.reshape(x.shape))
         if self.shared:
-            shared_out, cache["shared"] = self.shared.forward(x_mine)
+            shared_out, cache["shared"] = shared
             y += shared_out
         return y, cache
 
@@ -130,17 +141,20 @@ class MixtureOfExperts(Layer):
         dgates = np.zeros(routing.gates.shape, dy.dtype)
         dgates[token, slot] = np.sum(dy_rows * out, axis=1)
         d_out = routing.gates[token, slot][:, None] * dy_rows
-        d_expert_out = self.dispatcher.dispatch(d_out, plan)          # the combine's backward: a dispatch
+        arriving = self.dispatcher.start_dispatch(d_out, plan)       # the combine's backward: a dispatch
+        d_shared = self.shared.backward_input(dy_mine, cache["shared"]) if self.shared else None   # meanwhile
+        d_expert_out = arriving()
         d_expert_in = self.experts.backward_input(d_expert_out, cache["experts"])
-        d_in = self.dispatcher.combine(d_expert_in, plan)            # the dispatch's backward: a combine
-        dx = self.router.backward_input(dgates, cache["router"])
+        arriving = self.dispatcher.start_combine(d_expert_in, plan)  # the dispatch's backward: a combine
+        dx = self.router.backward_input(dgates, cache["router"])      # meanwhile
+        d_in = arriving()
         dx_rows = rows(dx)
         for j in range(self.k):
             at = slot == j
             dx_rows[token[at]] += d_in[at]
         dx = self.region.sequence_part(dx)       # every tp rank computed the whole dx alike
         if self.shared:
-            dx += self.shared.backward_input(dy_mine, cache["shared"])
+            dx += d_shared
         if self.log is not None:
             self.log.record(self.block, routing)
         return dx

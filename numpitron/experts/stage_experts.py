@@ -17,8 +17,9 @@ from numpitron.experts.moe import MixtureOfExperts, RoutingLog
 
 
 class StageExperts:
-    def __init__(self, model_cfg, topo):
-        self.cfg, self.topo = model_cfg, topo
+    def __init__(self, model_cfg, topo, a2a_overlap: bool = True):
+        """a2a_overlap: the layers' all-to-alls travel while they compute (--moe-a2a-overlap)."""
+        self.cfg, self.topo, self.a2a_overlap = model_cfg, topo, a2a_overlap
         self.log = RoutingLog(model_cfg.n_layers, model_cfg.num_experts)
         self.bias = np.zeros((model_cfg.n_layers, model_cfg.num_experts))
         self.layers = []
@@ -35,7 +36,8 @@ class StageExperts:
                                  capacity_factor=c.moe_capacity_factor,
                                  aux_loss_coef=0.0 if by_bias else c.moe_aux_loss_coef, loss_weight=loss_weight,
                                  block=block, log=self.log, balance_bias=self.bias[block] if by_bias else None,
-                                 shared_experts=c.moe_shared_experts, expert_hidden=c.moe_expert_hidden, region=region)
+                                 shared_experts=c.moe_shared_experts, expert_hidden=c.moe_expert_hidden, region=region,
+                                 a2a_overlap=self.a2a_overlap)
         self.layers.append(layer)
         return layer
 

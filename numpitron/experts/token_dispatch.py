@@ -12,6 +12,10 @@ source rank; the local experts want it grouped by expert, so it is reordered.
 The backward of an all-to-all is the all-to-all the other way with the same counts:
 the gradient of the combine travels like a dispatch, the gradient of the dispatch
 like a combine. With ep = 1 both are copies.
+
+Each can also be started and finished apart (`start_dispatch`, `start_combine`: an
+`Ialltoallv`), so that the layer computes something else while the rows travel
+(experts/moe.py).
 """
 
 from typing import NamedTuple
@@ -30,8 +34,9 @@ class Plan(NamedTuple):
 
 
 class AllToAllDispatcher:
-    def __init__(self, ep_comm, num_experts: int):
-        self.ep = ep_comm
+    def __init__(self, ep_comm, num_experts: int, overlap: bool = True):
+        """overlap=False: a started all-to-all is waited for at once (blocking, as before)."""
+        self.ep, self.overlap = ep_comm, overlap
         self.local_experts = shard_size(num_experts, ep_comm.size)
 
     def plan(self, rows_per_expert: np.ndarray) -> Plan:
@@ -47,12 +52,31 @@ class AllToAllDispatcher:
     def dispatch(self, rows: np.ndarray, plan: Plan) -> np.ndarray:
         """Rows sorted by expert, from this rank -> the rows of this rank's experts from
         every ep rank, grouped by local expert."""
-        received = self.ep.all_to_allv(np.ascontiguousarray(rows), plan.send_rows, plan.recv_rows)
-        return received[plan.order]
+        return self.start_dispatch(rows, plan)()
 
     def combine(self, rows: np.ndarray, plan: Plan) -> np.ndarray:
         """The inverse: rows grouped by local expert -> back to their ranks, in the order
         they were dispatched."""
+        return self.start_combine(rows, plan)()
+
+    def start_dispatch(self, rows: np.ndarray, plan: Plan):
+        """`dispatch`, started: returns the function that waits for it and returns its rows."""
+        received, pending = self.ep.iall_to_allv(np.ascontiguousarray(rows), plan.send_rows, plan.recv_rows)
+        return self._finish(lambda: self._arrived(pending, received)[plan.order])
+
+    def start_combine(self, rows: np.ndarray, plan: Plan):
+        """`combine`, started: returns the function that waits for it and returns its rows."""
         by_source = np.empty_like(rows)
         by_source[plan.order] = rows
-        return self.ep.all_to_allv(by_source, plan.recv_rows, plan.send_rows)
+        received, pending = self.ep.iall_to_allv(by_source, plan.recv_rows, plan.send_rows)
+        return self._finish(lambda: self._arrived(pending, received))
+
+    def _finish(self, arrive):
+        if self.overlap:
+            return arrive
+        rows = arrive()
+        return lambda: rows
+
+    def _arrived(self, pending, received: np.ndarray) -> np.ndarray:
+        self.ep.wait(pending)
+        return received

@@ -17,7 +17,7 @@ from numpitron.trace.recorder import Patches, now
 BLOCKING = ("all_reduce", "reduce_scatter", "all_gather", "gather", "gatherv", "scatterv", "all_to_all",
             "all_to_allv", "broadcast", "send", "recv", "barrier", "broadcast_object", "gather_object",
             "all_reduce_object_max")
-STARTING = ("iall_reduce", "ireduce_scatter", "iall_gather", "isend", "irecv")
+STARTING = ("iall_reduce", "ireduce_scatter", "iall_gather", "iall_to_allv", "isend", "irecv")
 PEER = {"send": "dest", "isend": "dest", "recv": "source", "irecv": "source"}     # point-to-point: the peer's keyword
 IN_FLIGHT = " in flight"
 
@@ -104,7 +104,8 @@ class CommProbe:
                 key, end_of_arrow = self._arrow(group, method, world_of, args, kwargs)
                 rec.flow(end_of_arrow, key)
             if starting:
-                result.trace_span = span            # completed by `wait` or `test`
+                pending = result[-1] if isinstance(result, tuple) else result      # iall_to_allv: (recv, it)
+                pending.trace_span = span           # completed by `wait` or `test`
             return result
         return traced
 
