@@ -133,6 +133,9 @@ def report(result: dict) -> str:
              f"MFU {result['mfu']:.1%}, fits: {result['fits']}"
              + (f" ({result['time_sharing']:g} ranks per core)" if result["time_sharing"] > 1 else "")
              + (f", at the slowest rank's pace x{result['pace']:.2f}" if result["pace"] != 1 else "")]
+    if any(kind.startswith("diloco.") for kind in result["stages"][0]["comm_bytes"]):
+        lines.append("DiLoCo: inside a replica, the traffic of dp / R ranks; the outer all-reduce "
+                     "(diloco) comes once a round and is shown divided by its inner steps")
     if result["parameters"]["active_per_token"] != result["parameters"]["total"]:
         lines.append("experts: rows per expert planned for balanced routing (exact when a capacity is "
                      "filled by every expert; dropless, the real rows follow the router)")

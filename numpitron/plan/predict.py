@@ -130,7 +130,8 @@ def plan(model, parallel, train, mesh, device) -> dict:
         t_adam = sum(price(step_work(model, parallel, rank), device, itemsize).values())
         t_muon = sum(price(newton_schulz_work(muon["busiest_shapes"]), device, itemsize).values())
         dp_time = sum(t for kind, t in t_comm.items()
-                      if kind.startswith(("dp_cp.", "dp_shard.", "dp_replica.", "expert_dp.", "expert_dp_shard.")))
+                      if kind.startswith(("dp_cp.", "dp_shard.", "dp_replica.", "expert_dp.", "expert_dp_shard.",
+                                          "diloco.", "diloco_metrics.")))
         buckets = gradient_buckets(model, rank, parallel.bucket_size)
         overlapped = parallel.zero_stage in (0, 2) and parallel.overlap_grad_reduce and not parallel.hierarchical_all_reduce
         # Overlapped, the last bucket is exposed, and whatever the link could not carry

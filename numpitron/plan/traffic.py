@@ -8,6 +8,7 @@ from numpitron.plan.experts import expert_elements, expert_gradient_traffic, moe
 from numpitron.plan.layer_sizes import block_piece, layer_elements, layer_parameter_sizes
 from numpitron.precision.formats import FORMATS
 from numpitron.plan.accounting import F64, Rank, block_elements, parameter_elements
+from numpitron.plan.slow_links import compressed_traffic, diloco_traffic
 
 
 def comm_bytes(model, parallel, train, rank: Rank) -> dict:
@@ -45,7 +46,10 @@ def comm_traffic(model, parallel, train, rank: Rank) -> dict:
     """{"<group>.<kind>": (bytes, calls)} of one training iteration on this rank. Mixed precision
     (docs/16-numbers.md): dp gathers parameters in the low format, 2 bytes an element,
     and sums gradients in it or in fp32 (--grad-reduce-dtype: `grad_item`); activations
-    travel as the float32 arrays that hold them here."""
+    travel as the float32 arrays that hold them here. DiLoCo and compressed gradients:
+    plan/slow_links.py."""
+    if getattr(train, "diloco_replicas", 0) > 1:
+        return diloco_traffic(model, parallel, train, rank, comm_traffic)
     item, tp, cp, pp = model.itemsize, rank.tp, rank.cp, rank.pp
     fmt = FORMATS[getattr(train, "precision", "fp32")]
     param_item = fmt.itemsize if fmt.mixed else item
@@ -86,7 +90,9 @@ def comm_traffic(model, parallel, train, rank: Rank) -> dict:
     elements, group, replicas = parameter_elements(model, rank)[0], rank.shard_group, rank.replicas
     padded, sharded = pad_to_multiple(elements, group), parallel.zero_stage or parallel.hierarchical_all_reduce
     buckets = gradient_buckets(model, rank, parallel.bucket_size, padded - elements if sharded else 0)
-    if parallel.zero_stage == 0 and not parallel.hierarchical_all_reduce:
+    if getattr(parallel, "grad_compression", "none") != "none":
+        add(*compressed_traffic(model, parallel, rank, grad_item))
+    elif parallel.zero_stage == 0 and not parallel.hierarchical_all_reduce:
         add("dp_cp.all_reduce", _all_reduce(elements * grad_item, rank.dp * cp), buckets)
     elif parallel.zero_stage in (0, 1, 2):          # the two halves of one all-reduce inside the shard group
         add("dp_shard.reduce_scatter", _half(padded * grad_item, group), buckets if parallel.zero_stage == 2 else 1)

@@ -1,0 +1,90 @@
+"""Bytes a rank moves per iteration when it trains across slow links
+(docs/17-across-slow-links.md), as plan/traffic.py counts every other strategy's:
+
+- DiLoCo (--diloco-replicas R, --diloco-inner-steps H): inside a replica, the traffic of
+  a run on dp / R ranks reading the same micro-batches; across replicas, once every H
+  steps, an all-reduce of the slice this rank's optimizer updates (the whole stage, or
+  its ZeRO slice, which ZeRO-1/2 then gather again), 2 (R - 1) / R of it: per iteration,
+  that divided by H (and so are its calls). Every step also averages the loss over the
+  replicas (`diloco_metrics`).
+- Compressed gradients (--grad-compression) replace plain data parallelism's gradient
+  all-reduce: int8 all-gathers one byte an element and one scale a parameter (two
+  calls), PowerSGD all-reduces every matrix's factors P, then Q with the vectors (two).
+"""
+
+import math
+from dataclasses import replace
+from functools import cache
+
+from numpitron.distributed.topology import Topology
+from numpitron.nn.embedding import PositionEmbedding
+from numpitron.plan.accounting import F64, parameter_elements
+from numpitron.plan.collective_bytes import all_reduce_bytes, half_bytes
+from numpitron.distributed.sharding import pad_to_multiple
+from numpitron.tensor_parallel.vocab_parallel import VocabParallelEmbedding
+from numpitron.transformer.block import Block
+from numpitron.transformer.head import LanguageModelHead
+
+
+def diloco_traffic(model, parallel, train, rank, traffic) -> dict:
+    """{"<group>.<kind>": (bytes, calls)} per iteration of a DiLoCo run; `traffic` is
+    plan/traffic.py's comm_traffic, called for one replica."""
+    R, H = train.diloco_replicas, train.diloco_inner_steps
+    dp = rank.dp // R
+    shard = rank.dp_shard if 0 < rank.dp_shard < dp else 0
+    inner = replace(rank, dp=dp, dp_rank=rank.dp_rank % dp, dp_shard=shard)
+    # each replica reads its dp / R ranks' share of the global batch: as many micro-batches a rank
+    inner_train = replace(train, diloco_replicas=0, global_batch_size=train.global_batch(rank.dp) // R)
+    out = dict(traffic(model, parallel, inner_train, inner))
+    item = model.itemsize
+    elements, group = parameter_elements(model, inner)[0], inner.shard_group
+    sharded = parallel.zero_stage or parallel.hierarchical_all_reduce
+    padded = pad_to_multiple(elements, group) if sharded else elements
+    held = padded // group if parallel.zero_stage else padded
+
+    def add(key, nbytes, calls):
+        was = out.get(key, (0.0, 0))
+        out[key] = (was[0] + nbytes, was[1] + calls)
+    add("diloco.all_reduce", all_reduce_bytes(held * item, R) / H, 1 / H)
+    if parallel.zero_stage in (1, 2):           # the replica's ranks gather the new stage again
+        add("dp_shard.all_gather", half_bytes(padded * item, group) / H, 1 / H)
+    add("diloco_metrics.all_reduce", all_reduce_bytes(F64, R), 1)        # the loss, averaged
+    return {kind: traffic for kind, traffic in out.items() if traffic[0]}
+
+
+def compressed_traffic(model, parallel, rank, item: int) -> tuple[str, float, int]:
+    """(kind, bytes, calls) of one step's compressed gradient reduction over dp x cp."""
+    p, shapes = rank.dp * rank.cp, stage_shapes(model, rank)
+    if parallel.grad_compression == "int8":
+        elements = sum(math.prod(shape) for shape, _ in shapes)
+        return "dp_cp.all_gather", (p - 1) * (elements + len(shapes) * item), 2
+    sent = 0
+    for shape, matrix in shapes:
+        if matrix:
+            n, m = sorted((shape[0], math.prod(shape[1:])))
+            sent += (n + m) * min(parallel.powersgd_rank, n)
+        else:
+            sent += math.prod(shape)
+    return "dp_cp.all_reduce", all_reduce_bytes(sent * item, p), 2
+
+
+def stage_shapes(model, rank) -> list[tuple[tuple, bool]]:
+    """(local shape, a matrix PowerSGD factors?) of each parameter of this rank's stage:
+    the token embedding (first and last stage), the positions (first), its blocks, ln_f
+    (last); a matrix is what weight decay applies to (compression/segments.py)."""
+    pieces, blocks = _piece_shapes(model, rank.tp), rank.blocks(model.n_layers)
+    held = [("token", rank.first or rank.last), ("position", rank.first),
+            *[("block", True)] * len(blocks), ("head", rank.last)]
+    return [shape for piece, kept in held if kept for shape in pieces[piece]]
+
+
+@cache
+def _piece_shapes(model, tp: int) -> dict:
+    """As plan/layer_sizes.py builds the layers (tp rank 0, no communicators, never allocated)."""
+    topo, C = Topology(None, tp, 1, 1), model.d_model
+    token = VocabParallelEmbedding("embedding.token", model.vocab_size, C, topo)
+    layers = {"block": Block("blocks.0", C, model.n_heads, model.n_layers, topo), "token": token,
+              "position": PositionEmbedding("embedding.position", model.seq_len, C),
+              "head": LanguageModelHead(token, C, topo)}
+    return {piece: tuple((tuple(p.local_shape), bool(p.decay) and len(p.local_shape) >= 2) for p in layer.parameters())
+            for piece, layer in layers.items()}
