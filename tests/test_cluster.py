@@ -169,15 +169,24 @@ def test_hybrid_sharding_sends_only_the_replica_all_reduce_across_hosts(two_by_t
     assert abs(link["tx_bytes"] - framing - payload) <= 0.05 * payload, (link, payload, framing)
 
 
-def test_a_host_that_loses_its_link_ends_the_job_with_one_line(two_by_two):
-    """Without the watcher both ranks would wait in their all-reduce forever: TCP
-    never learns that the other side is gone."""
+def start_training_loop() -> subprocess.Popen:
+    """A plain `cluster run` of two ranks, one a host, training in a loop until stopped;
+    returned once it reports that training began."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1", "OPENBLAS_NUM_THREADS": "1"}
     job = subprocess.Popen([sys.executable, "-m", "numpitron.cluster", "--prefix", PREFIX, "run", "-n", "2",
                             "--per-host", "1", "--", sys.executable, SCRIPT, "loop"],
                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if job.stdout.readline().strip() != "training":
+        job.kill()
+        raise AssertionError(f"the training loop did not start: {job.communicate()[1]}")
+    return job
+
+
+def test_a_host_that_loses_its_link_ends_the_job_with_one_line(two_by_two):
+    """Without the watcher both ranks would wait in their all-reduce forever: TCP
+    never learns that the other side is gone."""
+    job = start_training_loop()
     try:
-        assert job.stdout.readline().strip() == "training"
         time.sleep(1)                                       # mid-run
         set_host_link(two_by_two, 1, up=False)
         pulled = time.monotonic()
@@ -192,12 +201,8 @@ def test_a_host_that_loses_its_link_ends_the_job_with_one_line(two_by_two):
 def test_kill_host_during_a_plain_run_ends_the_job_with_one_line(two_by_two):
     """kill-host kills the host's processes too: Hydra then ends on its own (255, its
     asserts printed) before the watcher's next poll; the link is looked at after."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1", "OPENBLAS_NUM_THREADS": "1"}
-    job = subprocess.Popen([sys.executable, "-m", "numpitron.cluster", "--prefix", PREFIX, "run", "-n", "2",
-                            "--per-host", "1", "--", sys.executable, SCRIPT, "loop"],
-                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = start_training_loop()
     try:
-        assert job.stdout.readline().strip() == "training"
         control.kill_host(1, PREFIX)
         _, stderr = job.communicate(timeout=30)
     finally:
@@ -213,12 +218,8 @@ def test_a_killed_run_leaves_no_job_running(two_by_two, signal_name):
     """mpiexec runs in its own session: it must not outlive the `run` that started it
     (SIGKILL: the kernel's parent-death signal; SIGTERM: ended as Ctrl-C ends it)."""
     import signal
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1", "OPENBLAS_NUM_THREADS": "1"}
-    job = subprocess.Popen([sys.executable, "-m", "numpitron.cluster", "--prefix", PREFIX, "run", "-n", "2",
-                            "--per-host", "1", "--", sys.executable, SCRIPT, "loop"],
-                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = start_training_loop()
     try:
-        assert job.stdout.readline().strip() == "training"
         job.send_signal(getattr(signal, signal_name))
         _, stderr = job.communicate(timeout=30)
         deadline = time.monotonic() + 15

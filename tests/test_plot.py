@@ -2,8 +2,6 @@
 
 import json
 
-import pytest
-
 from numpitron.plot import curves, plot
 
 

@@ -4,7 +4,6 @@ summary partitions every step, and an untraced run carries no wrapper at all."""
 
 import json
 import subprocess
-import sys
 
 import numpy as np
 import pytest

@@ -143,8 +143,7 @@ class Topology:
                 row, place = np.argwhere(groups == self.rank)[0]
                 made[key] = world.Split(int(row), int(place))
             setattr(self, f"{name}_comm", Comm(made.get(key), self.stats, COUNTED_AS.get(name, name)))
-        self.embedding_comm = self._embedding(world, made.get((partition("pp", sizes).shape,
-                                                               partition("pp", sizes).tobytes())))
+        self.embedding_comm = self._embedding(world, self.pp_comm.mpi)
 
     def _embedding(self, world, pp_comm) -> Comm:
         """The first and the last stage, which hold the two copies of the token embedding:
