@@ -245,7 +245,7 @@ def main():
         "baseline_rss_mb_rank0": round(baseline_rss_kb / 1024, 1),
         "optimizer_state_bytes_per_rank": [r["optimizer_state_bytes"] for r in ranks],
         # parameters, gradients, optimizer state, and the peaks of ZeRO's gathered layers
-        # and whole gradients during a pass (docs/07-zero-2-and-3.md)
+        # and whole gradients during a pass (docs/09-zero-2-and-3.md)
         "memory_bytes_per_rank": [r["memory_bytes"] for r in ranks],
         "peak_activation_bytes_per_rank": [r["peak_activation_bytes"] for r in ranks],
         "page_faults_per_iter_per_rank": [round(r["page_faults_per_iter"]) for r in ranks],

@@ -1,5 +1,5 @@
 """Ring against Ulysses against hybrid context parallelism, and tensor-parallel overlap on
-against off, on the simulated cluster scaled to an A100 cluster (docs/10-context-parallelism.md,
+against off, on the simulated cluster scaled to an A100 cluster (docs/12-context-parallelism.md,
 docs/04-tensor-parallelism.md). Needs root.
 
     python benchmarks/cluster_comm.py cp --inter-scale 1,0.5 --rounds 3 --prefix me-

@@ -1,5 +1,5 @@
 """Every 4-rank layout on a simulated cluster scaled to an A100 cluster, measured
-beside the planner's prediction (docs/15-many-hosts.md). Needs root.
+beside the planner's prediction (docs/17-many-hosts.md). Needs root.
 
     python benchmarks/cluster_layouts.py                      # the default model
     python benchmarks/cluster_layouts.py --model nanogpt      # 6 layers, 6 heads, d 384, T 256
@@ -237,7 +237,7 @@ def summary(rows: list) -> None:
 
 def save(path: Path, model: str, rows: list, fits: dict) -> None:
     """Merge these rows into the JSON at `path` (a row replaces one of the same model,
-    placement, rate and mesh), for docs/17's tables and figures.py's figure."""
+    placement, rate and mesh), for docs/17-many-hosts.md's tables and figures.py's figure."""
     data = json.loads(path.read_text()) if path.exists() else {"rows": [], "fits": {}}
     key = ("model", "per_host", "inter_multiple", "mesh")
     new = {tuple(str(r[k]) for k in key) for r in rows}

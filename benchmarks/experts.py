@@ -1,4 +1,4 @@
-"""The measurements of docs/11-experts.md, on this machine.
+"""The measurements of docs/13-experts.md, on this machine.
 
     python benchmarks/experts.py throughput              # tokens/s and all-to-all share, 2 and 4 ranks
     python benchmarks/experts.py routing out/metrics.jsonl   # the routing figure from a training run

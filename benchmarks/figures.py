@@ -107,7 +107,7 @@ def bubble_table(sweep: dict) -> list[str]:
     return rows
 
 
-# Chapter 12's table: (ranks, layout, flags, global batch); "x one process" compares each
+# Chapter 14's table: (ranks, layout, flags, global batch); "x one process" compares each
 # row with the one-process row of the same global batch.
 THROUGHPUT_ROWS = [(1, "one process", [], 12), (1, "one process", [], 24),
                    (2, "dp = 2", ["--data-parallel-size", "2"], 24),
@@ -122,7 +122,7 @@ THROUGHPUT_ROWS = [(1, "one process", [], 12), (1, "one process", [], 24),
 
 
 def layouts(plt, iters: int) -> dict:
-    """Throughput per layout (the figure and chapter 12's table, from one sweep), and bytes
+    """Throughput per layout (the figure and chapter 14's table, from one sweep), and bytes
     per collective kind against the planner's formula."""
     results = {}
     for ranks, label, flags, batch in THROUGHPUT_ROWS:
@@ -158,7 +158,7 @@ def layouts(plt, iters: int) -> dict:
 
 
 def throughput_table(results: dict) -> list[str]:
-    """Chapter 12's table, from the sweep that drew throughput.svg."""
+    """Chapter 14's table, from the sweep that drew throughput.svg."""
     serial = {r["global_batch"]: r["tokens_per_s"] for r in results.values() if r["ranks"] == 1}
     rows = ["| ranks | layout | global batch | tokens/s | x one process | bytes per iteration | MFU |",
             "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -197,7 +197,7 @@ def memory(plt) -> dict:
 
 
 def hsdp_rates(plt) -> dict:
-    """ZeRO-3, HSDP and plain dp against the inter-host rate (docs/07-zero-2-and-3.md),
+    """ZeRO-3, HSDP and plain dp against the inter-host rate (docs/09-zero-2-and-3.md),
     drawn from what benchmarks/hsdp.py measured on the simulated cluster (it needs root,
     so `make figures` redraws from its JSON, docs/figures/hsdp.json, and does not rerun it)."""
     import statistics
@@ -235,12 +235,12 @@ def hsdp_rates(plt) -> dict:
 
 
 def context_parallel_blocks() -> dict:
-    """Which chunk pairs each rank computes, zigzag against a plain split (docs/13)."""
+    """Which chunk pairs each rank computes, zigzag against a plain split (docs/12-context-parallelism.md)."""
     return run_json(launch(4, "benchmarks/context_parallel.py", ["--seq-len", "1024"]))
 
 
 def routing(data_dir: Path, iters: int) -> dict:
-    """Tokens per expert and the dropped share over a mixture-of-experts run (docs/14)."""
+    """Tokens per expert and the dropped share over a mixture-of-experts run (docs/13-experts.md)."""
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(launch(1, "train_shakespeare.py", [
             "--num-experts", "4", "--moe-top-k", "1", "--moe-capacity-factor", "1.25", "--max-iters", str(iters),
@@ -250,7 +250,7 @@ def routing(data_dir: Path, iters: int) -> dict:
 
 def experts_compare(data_dir: Path, iters: int) -> dict:
     """Dense against MoE at equal active parameters, and aux loss against bias balancing:
-    the validation losses and docs/figures/balance.svg (docs/14)."""
+    the validation losses and docs/figures/balance.svg (docs/13-experts.md)."""
     return run_json(launch(1, "benchmarks/experts.py", ["compare", "--iters", str(iters), "--data-dir", str(data_dir)]))
 
 
@@ -286,7 +286,7 @@ def cluster_rates(plt) -> dict:
 
 
 def precision_drift(plt, data_dir: Path, iters: int) -> dict:
-    """Each precision's training loss against float64's over the same run (docs/18)."""
+    """Each precision's training loss against float64's over the same run (docs/07-numbers.md)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "drift.json"
         subprocess.run(launch(1, "benchmarks/precision_drift.py", ["--iters", str(iters), "--data-dir", str(data_dir),
@@ -316,7 +316,7 @@ def draw_precision_drift(plt, results: dict) -> None:
 
 def race(plt) -> dict:
     """Validation loss against wall time since launch, each program and round of the
-    race to 1.80 (docs/16), from the race's own run: benchmarks/race.py writes
+    race to 1.80 (docs/appendix-a-speed-on-a-cpu.md), from the race's own run: benchmarks/race.py writes
     docs/figures/race.json (`--out`), which takes tens of minutes on two cores, so this
     draws the stored run rather than racing again."""
     runs = json.loads((FIGURES / "race.json").read_text())
@@ -339,7 +339,7 @@ def race(plt) -> dict:
 
 
 def traced_pipeline(plt, data_dir: Path) -> dict:
-    """Chapter 18's figure: one traced 1F1B step on two stages, the planner's prediction
+    """Chapter 19's figure: one traced 1F1B step on two stages, the planner's prediction
     of the same step under it (trace_pipeline.svg), and both summaries."""
     from numpitron.trace.draw import draw_on
     from numpitron.trace.summary import summarize
@@ -386,7 +386,7 @@ def main():
     p.add_argument("--only", choices=sorted(ALONE),
                    help="make this figure alone (figures.json keeps the rest)")
     p.add_argument("--tables", action="store_true",
-                   help="print chapter 5's table and chapter 12's from figures.json (the runs that drew their figures)")
+                   help="print chapter 5's table and chapter 14's from figures.json (the runs that drew their figures)")
     args = p.parse_args()
     if args.tables:
         data = json.loads((FIGURES / "figures.json").read_text())

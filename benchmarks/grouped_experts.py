@@ -1,4 +1,4 @@
-"""The experts' compute two ways, in one process (docs/11-experts.md, "Grouped compute"):
+"""The experts' compute two ways, in one process (docs/13-experts.md, "Grouped compute"):
 
     python benchmarks/grouped_experts.py [--reps 30]
 

@@ -1,6 +1,6 @@
 """ZeRO-3, hybrid sharding (HSDP) and plain data parallelism on the scaled cluster, at
 several inter-host rates: step time and the bytes host 0's link carried, beside the
-planner's prediction and its crossover (docs/07-zero-2-and-3.md). Needs root.
+planner's prediction and its crossover (docs/09-zero-2-and-3.md). Needs root.
 
     python benchmarks/hsdp.py --prefix b-                     # rates 1/4x to 256x the scaled InfiniBand
     python benchmarks/hsdp.py --prefix b- --rates 1,16 --rounds 2 --out /tmp/hsdp.json

@@ -1,4 +1,4 @@
-"""Each precision's training trajectory against float64's (docs/16-numbers.md): the
+"""Each precision's training trajectory against float64's (docs/07-numbers.md): the
 default model on Tiny Shakespeare, one process, the same batches and initialisation.
 
     python benchmarks/precision_drift.py --iters 200 [--out drift.json]

@@ -1,5 +1,5 @@
 """Tokens/s, peak memory and activation memory of each precision on this CPU
-(docs/16-numbers.md): the default model, one process, one BLAS thread.
+(docs/07-numbers.md): the default model, one process, one BLAS thread.
 
     python benchmarks/precision_speed.py --rounds 7 --steps 3
 

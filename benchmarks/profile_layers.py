@@ -113,7 +113,7 @@ def exp_lower_bound(cfg, dtype, batch: int = B, seq_len: int = T):
     every softmax group (the attention's query tiles); the loss's few, one per logit,
     are left out. The backward needs none: it reuses the kept GELU slope and probabilities
     (with cp = 1 and no recomputation). Exact GELU and softmax cannot do with fewer, and
-    NumPy has no cheaper exponential on this CPU (docs/15, "The floor"). Each shape is
+    NumPy has no cheaper exponential on this CPU (docs/appendix-a-speed-on-a-cpu.md, "The floor"). Each shape is
     timed on one array, over and over, so that it sits in cache: a bound from below.
     Returns (ms per step, exponentials per step)."""
     rng = np.random.default_rng(0)

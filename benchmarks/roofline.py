@@ -1,4 +1,4 @@
-"""This machine's roofline, measured (docs/19-roofline.md): one core's float32 GEMM of
+"""This machine's roofline, measured (docs/20-roofline.md): one core's float32 GEMM of
 (N, C) x (C, 4C), the MLP's first matmul, at several token counts N, and an element-wise
 pass (x + y into out) over arrays larger than the caches. Each prints its arithmetic
 intensity (FLOPs per byte of its operands and result), the median rate over --reps

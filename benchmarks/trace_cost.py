@@ -1,4 +1,4 @@
-"""What --trace costs a step (docs/18-traces.md).
+"""What --trace costs a step (docs/19-traces.md).
 
     mpiexec -n 2 python benchmarks/trace_cost.py --pipeline-parallel-size 2 --iters 30
 

@@ -80,7 +80,7 @@ def runs(cfg: dict, iters: int, torch_python: str, one_core: bool) -> dict:
         "pytorch, 2 threads": torch + ["--threads=2"],
         "numpitron, dp = 2": dp2,
         # ZeRO-2: each rank runs AdamW on half the parameters, and the gradients'
-        # reduce-scatter moves half an all-reduce's bytes in the backward (docs/07-zero-2-and-3.md).
+        # reduce-scatter moves half an all-reduce's bytes in the backward (docs/09-zero-2-and-3.md).
         "numpitron, dp = 2, ZeRO-2": dp2 + ["--zero-stage=2"],
         "numpitron, tp = 2": two + ["--tensor-parallel-size=2", f"--micro-batch-size={cfg['batch']}"],
     }

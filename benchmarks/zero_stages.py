@@ -1,5 +1,5 @@
 """ZeRO stages 0-3 side by side on dp ranks: step time, memory per rank, bytes moved,
-and how much of the dp traffic the backward hid (docs/07-zero-2-and-3.md).
+and how much of the dp traffic the backward hid (docs/09-zero-2-and-3.md).
 
     python benchmarks/zero_stages.py [--ranks 2] [--rounds 5] [--iters 10] [--json out.json]
 

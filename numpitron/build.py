@@ -70,7 +70,7 @@ def build_trainer(model_cfg, parallel_cfg, train_cfg, topo) -> Trainer:
                         tp_comm_overlap=parallel_cfg.tp_comm_overlap, moe_a2a_overlap=parallel_cfg.moe_a2a_overlap)
     optimizers = make_optimizers(model, topo, train_cfg, parallel_cfg)
     optimizers[0].install(model)            # ZeRO-3 gathers each layer while it runs
-    # Mixed precision (docs/16-numbers.md): activations rounded between layers,
+    # Mixed precision (docs/07-numbers.md): activations rounded between layers,
     # gradients rounded, unscaled and checked by `step_mixed`.
     fmt = FORMATS[train_cfg.precision]
     use_format(model, fmt)

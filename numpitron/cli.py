@@ -59,7 +59,7 @@ class FileFlags:
     no_progress: bool = setting(False, "no progress bar")
     trace: str | None = setting(None, "write a trace of some iterations to this file, for Perfetto "
                                       "(ui.perfetto.dev): every rank's computation and communication "
-                                      "(docs/18-traces.md)", metavar="FILE.json")
+                                      "(docs/19-traces.md)", metavar="FILE.json")
     trace_iters: str | None = setting(None, "the iterations --trace records, A to B-1 as metrics.jsonl numbers "
                                             "them (default: the 3 after the run's first)", metavar="A:B")
 

@@ -23,8 +23,8 @@ from numpitron.rampup import Ramp
 
 DTYPES = ("float32", "float64")
 RECOMPUTE = ("none", "selective", "full")
-LOAD_BALANCING = ("aux-loss", "bias")                          # docs/11-experts.md
-CONTEXT_PARALLEL_TYPES = ("ring", "ulysses", "hybrid")         # docs/10-context-parallelism.md
+LOAD_BALANCING = ("aux-loss", "bias")                          # docs/13-experts.md
+CONTEXT_PARALLEL_TYPES = ("ring", "ulysses", "hybrid")         # docs/12-context-parallelism.md
 OPTIMIZERS = ("adamw", "muon", "sgd")
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -39,7 +39,7 @@ class ModelConfig:
     d_model: int = setting(128)
     seq_len: int = setting(64)
     dtype: str = setting("float32", choices=DTYPES)
-    # Mixture of experts (docs/11-experts.md); 0 experts: every block has the dense MLP.
+    # Mixture of experts (docs/13-experts.md); 0 experts: every block has the dense MLP.
     num_experts: int = setting(0, "mixture of experts: E expert MLPs per MoE block (0: the dense MLP)")
     moe_top_k: int = setting(2, "experts per token")
     moe_every: int = setting(1, "block i has experts when i % N == 0 (the others stay dense)")
@@ -104,7 +104,7 @@ class ParallelConfig:
     SECTION: ClassVar[str] = "parallelism"
 
     schedule: str = setting(ONE_F_ONE_B, "the order of forwards and backwards on each stage "
-                            "(docs/09-pipeline-schedules.md)", choices=SCHEDULES, flag="pipeline-schedule")
+                            "(docs/11-pipeline-schedules.md)", choices=SCHEDULES, flag="pipeline-schedule")
     virtual_stages: int = setting(1, "chunks of layers per pipeline rank, with --pipeline-schedule interleaved "
                                      "(zb-v and dualpipev: always 2, placed in a V)")
     zero_stage: int = setting(0, "shard over dp: 1 the optimizer state, 2 also the gradients, 3 also the "
@@ -192,7 +192,7 @@ class TrainConfig:
     beta2: float = setting(0.99)
     eps: float = 1e-8                           # no flag
     precision: str = setting("fp32", "fp32, or bf16 / fp16 / fp8 (linear layers' products in FP8, the rest bf16) "
-                                     "with fp32 master weights (docs/16-numbers.md)")
+                                     "with fp32 master weights (docs/07-numbers.md)")
     loss_scale: float = setting(0.0, "initial loss scale, a power of two (0: fp16 starts at 2^16, the others use "
                                      "none)")
     loss_scale_window: int = setting(1000, "fp16: clean steps before the loss scale doubles")
@@ -203,7 +203,7 @@ class TrainConfig:
                                       "momentum", choices=OPTIMIZERS)       # muon/muon.py, optim/sgd.py
     muon_lr: float = setting(0.0, "Muon's peak learning rate (0: --lr)")   # scaled to AdamW's RMS
     muon_momentum: float = setting(0.95)
-    # DiLoCo (diloco/, docs/17-across-slow-links.md); 0 replicas: off.
+    # DiLoCo (diloco/, docs/18-across-slow-links.md); 0 replicas: off.
     diloco_replicas: int = setting(0, "DiLoCo: the dp ranks split into R replicas (R divides dp) that exchange "
                                       "nothing for --diloco-inner-steps steps, then average how far they moved "
                                       "(0: off)")

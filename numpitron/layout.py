@@ -72,8 +72,8 @@ def check_layout(model: ModelConfig, train, mesh, parallel=None) -> None:
 
 
 def _check_experts(model: ModelConfig, parallel, data: int, context: int, expert: int, data_shard: int) -> None:
-    """Expert parallelism splits the experts over ranks carved out of dp x cp (docs/11-experts.md);
-    under hybrid sharding an ep group stays inside one replica (docs/07-zero-2-and-3.md)."""
+    """Expert parallelism splits the experts over ranks carved out of dp x cp (docs/13-experts.md);
+    under hybrid sharding an ep group stays inside one replica (docs/09-zero-2-and-3.md)."""
     if expert < 1:
         raise UserError(f"expert-parallel size must be positive, got {expert}")
     if expert > 1 and not model.num_experts:

@@ -11,7 +11,7 @@ on pp rank 0, which then holds the one token embedding for both.
 
 Parameters live in two flat buffers: `store` for those every data-parallel rank
 holds, `expert_store` for this rank's experts (empty without experts), whose
-gradients are averaged over a different group (docs/11-experts.md). `stores` lists
+gradients are averaged over a different group (docs/13-experts.md). `stores` lists
 the ones in use.
 
 Features wrap the stage instead of living in it: the experts come built and hold their

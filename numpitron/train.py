@@ -110,7 +110,7 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
                   "tokens_per_s": trainer.global_batch_size * model_cfg.seq_len / dt,
                   "elapsed_s": time.perf_counter() - start,
                   "comm_bytes": topo.stats.total_bytes(),
-                  # this rank's parameters, gradients, optimizer state and in-pass peaks (docs/12)
+                  # this rank's parameters, gradients, optimizer state and in-pass peaks (docs/09-zero-2-and-3.md)
                   **{f"memory_{k}": v for k, v in memory_bytes(trainer.optimizer).items()}}
         if topo.pp > 1:
             record["bubble"] = trainer.last_pipeline_stats.bubble_fraction

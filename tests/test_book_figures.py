@@ -117,21 +117,21 @@ CASES = [
      "--pipeline-schedule gpipe", [
          ("17.6, 17.6, 17.6 and 20.1 MiB under GPipe", v, 0.05, activations(s))
          for s, v in enumerate((17.6, 17.6, 17.6, 20.1))]),
-    ("06-zero.md", GPT_1_3B + " --data-parallel-size 32 --micro-batch-size 1 --global-batch-size 512", [
+    ("08-zero.md", GPT_1_3B + " --data-parallel-size 32 --micro-batch-size 1 --global-batch-size 512", [
         ("falls from 24.4 GiB (ZeRO-0)", 24.4, 0.05, peak_gib),
         ("from under a millisecond", 0.5, 0.5, stage("exposed_comm"))]),
-    ("06-zero.md", GPT_1_3B + " --data-parallel-size 32 --micro-batch-size 1 --global-batch-size 512 --zero-stage 1", [
+    ("08-zero.md", GPT_1_3B + " --data-parallel-size 32 --micro-batch-size 1 --global-batch-size 512 --zero-stage 1", [
         ("to 10.1 GiB", 10.1, 0.05, peak_gib),
         ("from 12 to 0.4 bytes a parameter", 0.4, 0.05, lambda r: r["stages"][0]["optimizer_state"] / 1_317_654_528),
         ("the whole reduction, 35 ms", 35, 0.5, stage("exposed_comm")),
         ("It is under 2% of the step", 0.01, 0.01, lambda r: r["stages"][0]["time_s"]["exposed_comm"] / r["step_s"])]),
-    ("06-zero.md", "--data-parallel-size 4 --zero-stage 1", [
+    ("08-zero.md", "--data-parallel-size 4 --zero-stage 1", [
         ("prints an optimizer of 1.5 MiB", 1.5, 0.05, lambda r: r["stages"][0]["optimizer_state"] / 2**20),
         ("beside 3.1 MiB of parameters", 3.1, 0.05, lambda r: r["stages"][0]["params"] / 2**20)]),
 ]
 
 def state_mib(r):
-    """A rank's parameters, gradients, optimizer state and in-pass buffers: chapter 7's bars."""
+    """A rank's parameters, gradients, optimizer state and in-pass buffers: chapter 9's bars."""
     s = r["stages"][0]
     return sum(s[k] for k in ("params", "grads", "optimizer_state", "gathered_params_peak",
                               "backward_grads_peak")) / 2**20
@@ -139,23 +139,23 @@ def state_mib(r):
 
 MUON = "--data-parallel-size 2 --zero-stage 1 --micro-batch-size 6 --global-batch-size 12"
 CASES += [
-    ("07-zero-2-and-3.md", "--data-parallel-size 4 --zero-stage 2", [
+    ("09-zero-2-and-3.md", "--data-parallel-size 4 --zero-stage 2", [
         ("prints 8.50 MiB for ZeRO-2", 8.50, 0.005, state_mib)]),
-    ("07-zero-2-and-3.md", "--data-parallel-size 4 --zero-stage 3", [
+    ("09-zero-2-and-3.md", "--data-parallel-size 4 --zero-stage 3", [
         ("and 6.24 MiB for ZeRO-3", 6.24, 0.005, state_mib)]),
 ]
-for page, step, ns, adam in (("07-zero-2-and-3.md", "predicts 54 ms a step", "15 of them in Newton-Schulz",
+for page, step, ns, adam in (("10-muon.md", "predicts 54 ms a step", "15 of them in Newton-Schulz",
                               "against 40 ms with AdamW: c = 1.37"),
                              ("appendix-a-speed-on-a-cpu.md", "and 54 ms with `--optimizer muon`",
                               "15 ms of it in the busiest owner's iterations", "predicts 40 ms a step with AdamW")):
     CASES += [(page, f"{MUON} --optimizer muon", [
         (step, 54, 0.5, lambda r: 1e3 * r["step_s"]), (ns, 15, 0.5, stage("newton_schulz"))]),
               (page, MUON, [(adam, 40, 0.5, lambda r: 1e3 * r["step_s"])])]
-CASES.append(("07-zero-2-and-3.md", f"{MUON} --optimizer muon", [
+CASES.append(("10-muon.md", f"{MUON} --optimizer muon", [
     ("c = 1.37", 1.37, 0.005, lambda r: r["step_s"] / planned(MUON)["step_s"])]))
 
 
-TABLE_12 = [  # layout flags, the row's exposed communication and bubble (s) as chapter 12 writes them
+TABLE_12 = [  # layout flags, the row's exposed communication and bubble (s) as chapter 14 writes them
     ("--tensor-parallel-size 8 --data-parallel-size 32", "| t = 8 (the paper's) | 4.0 s | 1.7 s | 0 |", 1.7, 0),
     ("--tensor-parallel-size 16 --data-parallel-size 16", "| t = 16, across two nodes | 4.0 s | 5.3 s | 0 |", 5.3, 0),
     ("--pipeline-parallel-size 8 --data-parallel-size 32", "| p = 8, d = 32 | 4.0 s | 0.02 s | 1.4 s |", 0.02, 1.4),
@@ -165,54 +165,54 @@ TABLE_12 = [  # layout flags, the row's exposed communication and bubble (s) as 
 ]
 for flags, row, exposed, bubble in TABLE_12:
     digits = 0.005 if exposed < 0.1 else 0.05
-    CASES.append(("12-putting-it-together.md", f"{GPT_18B} {flags}", [
+    CASES.append(("14-putting-it-together.md", f"{GPT_18B} {flags}", [
         (row, 4.0, 0.05, stage("matmul", 1)), (row, exposed, digits, stage("exposed_comm", 1)),
         (row, bubble, 0.05, stage("bubble", 1))]))
 CASES += [
-    ("12-putting-it-together.md", f"{GPT_18B} --tensor-parallel-size 16 --data-parallel-size 16", [
+    ("14-putting-it-together.md", f"{GPT_18B} --tensor-parallel-size 16 --data-parallel-size 16", [
         ("from the flat ring's seven times the matmuls to 1.3", 1.3, 0.05, ratio("exposed_comm", "matmul"))]),
-    ("12-putting-it-together.md", f"{GPT_18B} --data-parallel-size 256 --zero-stage 3", [
+    ("14-putting-it-together.md", f"{GPT_18B} --data-parallel-size 256 --zero-stage 3", [
         ("and ZeRO-3 from six times to 0.9", 0.9, 0.05, ratio("exposed_comm", "matmul"))]),
-    ("12-putting-it-together.md", f"{GPT_18B} --tensor-parallel-size 8 --data-parallel-size 32", [
+    ("14-putting-it-together.md", f"{GPT_18B} --tensor-parallel-size 8 --data-parallel-size 32", [
         ("which lifts its quarter to about 0.4", 0.4, 0.05, ratio("exposed_comm", "matmul"))]),
-    ("12-putting-it-together.md", "--search --devices 4", [
+    ("14-putting-it-together.md", "--search --devices 4", [
         ("pp = 2 x dp = 2 already ranks second", 2, 0, rank_of({"pp": 2, "dp": 2})),
         ("(18,022 tokens/s predicted)", 18022, 0.5, tokens_of({"pp": 2, "dp": 2})),
         ("and ranks eighth", 8, 0, rank_of({"pp": 4})),
         ("dp = 4 stays first in both", 1, 0, rank_of({"dp": 4}))]),
-    ("12-putting-it-together.md", "--search --devices 4 --global-batch-size 96", [
+    ("14-putting-it-together.md", "--search --devices 4 --global-batch-size 96", [
         ("climbs to third", 3, 0, rank_of({"pp": 4})),
         ("pp = 2 x dp = 2 (m = 4) stays second", 2, 0, rank_of({"pp": 2, "dp": 2})),
         ("dp = 4 stays first in both", 1, 0, rank_of({"dp": 4}))]),
-    ("12-putting-it-together.md", f"{GPT_036B} --data-parallel-size 8", [
+    ("14-putting-it-together.md", f"{GPT_036B} --data-parallel-size 8", [
         ("dp = 8 runs a step in 476 ms", 476, 0.5, lambda r: 1e3 * r["step_s"]),
         ("with 8 ms of all-reduce hidden", 8, 0.5, lambda r: 1e3 * r["stages"][0]["tiers"]["intra"]["seconds"]),
         ("with 8 ms of all-reduce hidden", 0, 0.5, stage("exposed_comm"))]),
-    ("12-putting-it-together.md", f"{GPT_036B} --tensor-parallel-size 8", [
+    ("14-putting-it-together.md", f"{GPT_036B} --tensor-parallel-size 8", [
         ("tp = 8 takes 1,248 ms", 1248, 0.5, lambda r: 1e3 * r["step_s"]),
         ("with 425 ms of exposed all-reduces", 425, 0.5, stage("exposed_comm")),
         ("against 134 ms of matmuls", 134, 0.5, stage("matmul")),
         ("three times and not one and a half", 3, 0.25, ratio("exposed_comm", "matmul"))]),
-    ("13-planning-a-run.md", "--search --devices 8", [
+    ("15-planning-a-run.md", "--search --devices 8", [
         ("in its 304 ms step", 304, 0.5, lambda r: 1e3 * r["fits"][rank_of({"dp": 8})(r) - 1]["step_s"]),
         ("only 24 in 139 ms", 139, 0.5, lambda r: 1e3 * r["fits"][rank_of({"tp": 4, "dp": 2})(r) - 1]["step_s"])]),
-    ("13-planning-a-run.md", "--search --devices 8 --global-batch-size 96", [
+    ("15-planning-a-run.md", "--search --devices 8 --global-batch-size 96", [
         ("dp = 8 still leads (20,201 tokens/s)", 1, 0, rank_of({"dp": 8})),
         ("dp = 8 still leads (20,201 tokens/s)", 20201, 0.5, tokens_of({"dp": 8})),
         ("pipelines pp = 2 x dp = 4 and pp = 4 x dp = 2", 2, 0, rank_of({"pp": 2, "dp": 4})),
         ("pipelines pp = 2 x dp = 4 and pp = 4 x dp = 2", 3, 0, rank_of({"pp": 4, "dp": 2})),
         ("tp = 2 x dp = 4 (about 16,000)", 16000, 500, tokens_of({"tp": 2, "dp": 4})),
         ("then cp = 2 x dp = 4", 16000, 500, tokens_of({"cp": 2, "dp": 4}))]),
-    ("13-planning-a-run.md", f"{GPT_145B} --pipeline-parallel-size 4 --data-parallel-size 48", [
+    ("15-planning-a-run.md", f"{GPT_145B} --pipeline-parallel-size 4 --data-parallel-size 48", [
         ("Stage 0 peaks at 74,570 MiB (72.8 GiB)", 74570, 0.5, lambda r: r["stages"][0]["total_peak"] / 2**20),
         ("take 69 GiB of it", 69, 0.5,
          lambda r: sum(r["stages"][0][k] for k in ("params", "grads", "optimizer_state")) / 2**30),
         ("5.9% against 6.8% at p = 8", 0.059, 0.0005, lambda r: r["bubble"]),
         ("The step is 23.1 s against 23.2 s", 23.1, 0.05, lambda r: r["step_s"])]),
-    ("13-planning-a-run.md", f"{GPT_145B} --pipeline-parallel-size 8 --data-parallel-size 24", [
+    ("15-planning-a-run.md", f"{GPT_145B} --pipeline-parallel-size 8 --data-parallel-size 24", [
         ("5.9% against 6.8% at p = 8", 0.068, 0.0005, lambda r: r["bubble"]),
         ("The step is 23.1 s against 23.2 s", 23.2, 0.05, lambda r: r["step_s"])]),
-    ("13-planning-a-run.md", GPT_1_3B.replace("--d-model 2048 --n-heads 16", "--d-model 2304 --n-heads 24")
+    ("15-planning-a-run.md", GPT_1_3B.replace("--d-model 2048 --n-heads 16", "--d-model 2304 --n-heads 24")
      + " --micro-batch-size 1 --global-batch-size 512 --recompute full --data-parallel-size 32", [
          ("spends 1.99 s of its step in element-wise passes", 1.99, 0.005, stage("elementwise", 1)),
          ("against 1.48 s of matmuls", 1.48, 0.005, stage("matmul", 1))]),
@@ -233,7 +233,7 @@ def bytes_ms(device):
 
 
 CASES += [
-    ("19-roofline.md", f"{TP8} --micro-batch-size 1", [
+    ("20-roofline.md", f"{TP8} --micro-batch-size 1", [
         ("it predicts 915 ms of matmuls", 915, 0.5, stage("matmul")),
         ("and 2.46 s of element-wise passes", 2.46, 0.005, stage("elementwise", 1)),
         ("of its 1,164 ms of exposed communication", 1164, 0.5, stage("exposed_comm")),
@@ -241,16 +241,16 @@ CASES += [
         ("the bytes take 614 ms and alpha 543 ms", 543, 0.5, alpha_ms(A100)),
         ("900 KB x 8 / 8.4 MB = 0.86", 0.86, 0.03,      # the loss's three small all-reduces: alpha, few bytes
          lambda r: alpha_ms(A100)(r) / bytes_ms(A100)(r))]),
-    ("19-roofline.md", f"{TP8} --micro-batch-size 16", [
+    ("20-roofline.md", f"{TP8} --micro-batch-size 16", [
         ("the exposed communication falls to 648 ms", 648, 0.5, stage("exposed_comm")),
         ("of which alpha is 34 ms", 34, 0.5, alpha_ms(A100))]),
-    ("19-roofline.md", f"{TP8.replace('a100-80gb-node', 'h100-80gb-node')} --micro-batch-size 1", [
+    ("20-roofline.md", f"{TP8.replace('a100-80gb-node', 'h100-80gb-node')} --micro-batch-size 1", [
         ("gives 289 ms of matmuls and 958 ms of exposed communication", 289, 0.5, stage("matmul")),
         ("gives 289 ms of matmuls and 958 ms of exposed communication", 958, 0.5, stage("exposed_comm")),
         ("409 ms of bytes and the same 543 ms of alpha", 409, 0.5, bytes_ms(H100)),
         ("409 ms of bytes and the same 543 ms of alpha", 543, 0.5, alpha_ms(H100)),
         ("almost twice the matmuls", 1.9, 0.1, lambda r: alpha_ms(H100)(r) / stage("matmul")(r))]),
-] + [("19-roofline.md", f"{TP8} --micro-batch-size {mb}", [
+] + [("20-roofline.md", f"{TP8} --micro-batch-size {mb}", [
     ("gives those three figures", ms, 0.5, alpha_ms(A100)),
     ("271, 136 and 68 ms", ms, 0.5, alpha_ms(A100))]) for mb, ms in ((2, 271), (4, 136), (8, 68))]
 
@@ -272,24 +272,24 @@ def test_each_quoted_figure_is_what_the_planner_prints(page, flags, figures):
 
 
 def test_chapter_13s_table_is_the_paper_reproduced():
-    """Every row of chapter 13's Megatron-LM table, as plan/paper.py's reproduce gives it."""
+    """Every row of chapter 15's Megatron-LM table, as plan/paper.py's reproduce gives it."""
     from numpitron.plan.paper import reproduce
-    text = (REPO / "docs" / "13-planning-a-run.md").read_text()
+    text = (REPO / "docs" / "15-planning-a-run.md").read_text()
     errors, rows = [], reproduce()
     for r in rows:
         row = (f"| {r['params_b']:.1f} / {r['params_b_eq2']:.1f} | {r['layout']} | {r['tflops_paper']} | "
                f"{r['tflops_predicted']:.0f} | {100 * r['error']:+.0f}% | {r['memory_gb'] * 1e9 / 2**30:.1f} GiB |")
         if row.replace("+0%", "0%").replace("-0%", "0%") not in text:
             errors.append(row)
-    assert not errors, "docs/13-planning-a-run.md's table should have these rows:\n" + "\n".join(errors)
+    assert not errors, "docs/15-planning-a-run.md's table should have these rows:\n" + "\n".join(errors)
     worst = max(abs(r["error"]) for r in rows)
     assert "within 13% of every row" in " ".join(text.split()) and 0.12 < worst <= 0.135
 
 
 def test_chapter_13s_plan_line_by_line_is_what_the_planner_prints():
-    """The report chapter 13 explains line by line, verbatim (this-machine's profile is
+    """The report chapter 15 explains line by line, verbatim (this-machine's profile is
     the repository's, so the figures do not depend on where the test runs)."""
-    text = (REPO / "docs" / "13-planning-a-run.md").read_text()
+    text = (REPO / "docs" / "15-planning-a-run.md").read_text()
     start = text.index("```text\nmodel: 809,856 parameters") + len("```text\n")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -97,7 +97,7 @@ def test_manifest_and_tensors_have_full_logical_shapes(saved):
 
 def test_a_format1_checkpoint_is_refused_with_the_way_to_convert_it(copy_of):
     rewrite_manifest(copy_of, lambda m: m.update(format_version=1))
-    expect_load_error(copy_of, "format 1", "no longer reads", "docs/14-checkpoints-and-sampling.md")
+    expect_load_error(copy_of, "format 1", "no longer reads", "docs/16-checkpoints-and-sampling.md")
 
 
 def test_latest_ignores_crash_leftovers_and_the_next_save_removes_only_its_own(tmp_path):

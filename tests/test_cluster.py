@@ -1,4 +1,4 @@
-"""The simulated cluster (numpitron/cluster, docs/15-many-hosts.md): its life cycle, each
+"""The simulated cluster (numpitron/cluster, docs/17-many-hosts.md): its life cycle, each
 rank on its own host, every strategy exact across hosts, the bytes a host's link counts
 against the formula, and a job whose host loses its link ending with one line.
 
@@ -159,7 +159,7 @@ def test_hybrid_sharding_sends_only_the_replica_all_reduce_across_hosts(two_by_t
     """HSDP, S = 2 of dp = 4 on 2 hosts x 2 ranks, ZeRO-3: the gathers and reduce-scatters
     stay inside each host (shared memory), and host 0's link carries its two ranks'
     all-reduces of their gradient slices over dp_replica, 2 (R-1)/R of a slice each
-    (docs/12): the formula plus TCP/IP framing, within 5% (the step's few small
+    (docs/09-zero-2-and-3.md): the formula plus TCP/IP framing, within 5% (the step's few small
     messages, the loss and a barrier, add MPICH headers and a few bytes)."""
     mesh = {"data": 4, "data_shard": 2, "zero_stage": 3}
     report = json.loads(on_cluster(4, "replica_bytes", json.dumps(mesh)).splitlines()[-1])

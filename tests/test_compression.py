@@ -1,4 +1,4 @@
-"""Compressed gradients with error feedback (compression/, docs/17-across-slow-links.md),
+"""Compressed gradients with error feedback (compression/, docs/18-across-slow-links.md),
 in float64 on dp = 2: PowerSGD at full rank and error feedback around a lossless
 compressor are plain data parallelism; int8 and low-rank PowerSGD keep the telescoping
 identity; the counted bytes are the formula's; the residuals resume bit for bit."""

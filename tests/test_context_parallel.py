@@ -33,7 +33,7 @@ def block_pairs(chunks, seq: int, cp: int) -> list[int]:
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_a_plain_split_gives_rank_r_r_plus_one_block_pairs(cp):
-    """The contiguous split (docs/13): rank r meets the key blocks of ranks 0..r, 1 to cp
+    """The contiguous split (docs/12-context-parallelism.md): rank r meets the key blocks of ranks 0..r, 1 to cp
     pairs of blocks twice the zigzag's chunks; in the zigzag's chunk squares of c x c
     scores, a diagonal square counted as half, its work is 4r + 2 against 2cp on every
     zigzag rank. Counted exactly, a query at position i sees i + 1 keys, and the two

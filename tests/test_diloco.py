@@ -1,4 +1,4 @@
-"""DiLoCo (diloco/, docs/17-across-slow-links.md) held to the algorithms it reduces to,
+"""DiLoCo (diloco/, docs/18-across-slow-links.md) held to the algorithms it reduces to,
 in float64: one inner step of plain SGD with η = 1 and no momentum is plain data
 parallelism; one replica with η = 1 and no momentum is plain training, for any H and
 any inner optimizer; a replica that is itself a mesh trains as one process per replica."""

@@ -1,4 +1,4 @@
-"""FP8 matmuls (numpitron/precision/fp8.py; docs/16-numbers.md): the casts' bounds, the product
+"""FP8 matmuls (numpitron/precision/fp8.py; docs/07-numbers.md): the casts' bounds, the product
 against the plain one, a tiny model training in fp8, its amax agreement and its
 trajectory on dp = 2 and tp = 2 against one process, checkpointed histories, bad input."""
 

@@ -1,5 +1,5 @@
 """Gradients summed over dp in the low format or in fp32 (--grad-reduce-dtype;
-distributed/wire.py, docs/16-numbers.md): the bytes of every ZeRO stage and of HSDP's
+distributed/wire.py, docs/07-numbers.md): the bytes of every ZeRO stage and of HSDP's
 replica all-reduce against the chapter's formula, parameters gathered at 2 bytes, the
 rounding of a low-format sum, and fp32 runs unchanged."""
 

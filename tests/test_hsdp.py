@@ -1,4 +1,4 @@
-"""Hybrid sharding (HSDP, docs/07-zero-2-and-3.md): `--data-parallel-shard-size S` splits
+"""Hybrid sharding (HSDP, docs/09-zero-2-and-3.md): `--data-parallel-shard-size S` splits
 the dp ranks into dp / S replicas of S; ZeRO shards over the cp x S ranks of a replica
 (dp_shard) and averages each gradient slice over the replicas (dp_replica). The groups,
 the two-level all-reduce against MPI's own, the same training as one process, memory

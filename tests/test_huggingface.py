@@ -239,7 +239,7 @@ def run(*args, nprocs=None):
 
 
 def test_a_tensor_parallel_run_exports_imports_and_resumes_on_one_process(tmp_path):
-    """The commands of chapter 14: train on tp = 2, hf-export, hf-import, resume on one process."""
+    """The commands of chapter 16: train on tp = 2, hf-export, hf-import, resume on one process."""
     data = tmp_path / "data"
     data.mkdir()
     shutil.copy(shakespeare_text_path(), data / "tinyshakespeare.txt")

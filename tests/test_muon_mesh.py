@@ -1,6 +1,6 @@
 """Muon on a mesh: every layout trains like one process (float64, 10 iterations, 1e-10),
 the owners' gathers and scatters move the bytes of the formula in
-muon/owners.py (docs/12), and a Muon checkpoint resumes on any mesh."""
+muon/owners.py (docs/10-muon.md), and a Muon checkpoint resumes on any mesh."""
 
 import numpy as np
 import pytest
@@ -79,7 +79,7 @@ def test_the_owners_move_the_bytes_of_the_formula_and_of_the_planner(layout):
 def test_the_planner_counts_newton_schulz_flops_by_the_formula():
     """A block's four matrices are C x 3C, C x C, C x 4C and 4C x C: with m = C, five
     steps of 4 m^2 n + 2 m^3 FLOPs give 5 (14 + 6 + 18 + 18) C^3 = 280 C^3 a block
-    (docs/12); the owners split them, and the priced BLAS calls count as many."""
+    (docs/10-muon.md); the owners split them, and the priced BLAS calls count as many."""
     from numpitron.config import ModelConfig, ParallelConfig
     for model, layout in ((tiny_model(), dict(tp=1, dp=1)), (ModelConfig().validate(), dict(tp=1, dp=2)),
                           (tiny_model(n_layers=3), dict(tp=2, dp=2))):

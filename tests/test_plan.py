@@ -42,14 +42,14 @@ LAYOUTS_2 = [dict(), dict(data=2), dict(data=2, zero_stage=1), dict(data=2, zero
              dict(pipeline=2, schedule="zb-v"), dict(pipeline=2, schedule="dualpipev")]
 LAYOUTS_4 = [dict(tensor=2, pipeline=2, sequence_parallel=True, recompute="full"),
              dict(context=2, data=2, zero_stage=1), dict(tensor=2, context=2), dict(pipeline=4, schedule="1f1b"),
-             # ZeRO stages 0-3 at dp = 4, and each with tp (the memory table of docs/12)
+             # ZeRO stages 0-3 at dp = 4, and each with tp (the memory table of docs/09-zero-2-and-3.md)
              dict(data=4), dict(data=4, zero_stage=1), dict(data=4, zero_stage=2), dict(data=4, zero_stage=3),
              dict(tensor=2, data=2), dict(tensor=2, data=2, zero_stage=2, sequence_parallel=True),
              dict(tensor=2, data=2, zero_stage=3, recompute="full"), dict(pipeline=2, data=2, zero_stage=2),
              dict(context=2, data=2, zero_stage=3),
              dict(pipeline=4, schedule="interleaved", virtual_stages=2, n_layers=8),
              dict(pipeline=2, tensor=2, schedule="zero-bubble", sequence_parallel=True),
-             # hybrid sharding (docs/12): S = 2 of dp = 4, each stage; S = 1 with cp, tp or pp
+             # hybrid sharding (docs/09-zero-2-and-3.md): S = 2 of dp = 4, each stage; S = 1 with cp, tp or pp
              dict(data=4, data_shard=2, zero_stage=1), dict(data=4, data_shard=2, zero_stage=2),
              dict(data=4, data_shard=2, zero_stage=3), dict(data=4, data_shard=2, hierarchical_all_reduce=True),
              dict(context=2, data=2, data_shard=1, zero_stage=3), dict(tensor=2, data=2, data_shard=1, zero_stage=2),
@@ -74,7 +74,7 @@ def test_planned_memory_bytes_and_activations_equal_two_ranks_counts(layout):
     assert_on_every_rank(measured_and_planned(**layout))
 
 
-# Mixed precision (docs/16-numbers.md): 2 + 2 + 12 bytes a parameter, parameters gathered
+# Mixed precision (docs/07-numbers.md): 2 + 2 + 12 bytes a parameter, parameters gathered
 # at 2 bytes, gradients summed at 2 or 4; each ZeRO stage once, both formats and both
 # reduce dtypes among them; the activations under full recomputation at 2 bytes.
 MIXED_2 = [dict(data=2, mixed=dict(precision="bf16", grad_reduce_dtype="param")),
@@ -464,7 +464,7 @@ def test_a_slow_link_exposes_what_it_cannot_carry_during_the_backward():
     assert stage["time_s"]["exposed_comm"] == pytest.approx(result["pace"] * link - 2 / 3 * compute)
 
 
-# Experts (docs/11-experts.md): a capacity every expert fills (c = 0.25: 2 of a sequence's
+# Experts (docs/13-experts.md): a capacity every expert fills (c = 0.25: 2 of a sequence's
 # 8 choices an expert draws on average) fixes the rows the all-to-alls carry, so the planned
 # bytes are the counted ones whatever the routing; dropless, the plan is the balanced ideal.
 CAPPED = dict(num_experts=4, moe_top_k=2, moe_capacity_factor=0.25)

@@ -1,4 +1,4 @@
-"""Mixed precision (numpitron/precision/formats.py, precision/master_weights.py; docs/16-numbers.md):
+"""Mixed precision (numpitron/precision/formats.py, precision/master_weights.py; docs/07-numbers.md):
 the formats' rounding and ranges, dynamic loss scaling, fp16's underflow without it,
 the 2 + 2 + 12 bytes per parameter of every ZeRO stage, activations kept in 2 bytes,
 checkpoints of the master weights, and bf16 layouts against one process in bf16."""

@@ -1,4 +1,4 @@
-"""Checkpoints of mixed-precision runs (docs/16-numbers.md): the fp16 loss scaler resumes
+"""Checkpoints of mixed-precision runs (docs/07-numbers.md): the fp16 loss scaler resumes
 where it stopped, and a checkpoint (fp32 master weights, fp32 moments) loads into any
 precision on any mesh, its master weights exactly what was saved."""
 
@@ -118,7 +118,7 @@ def test_a_bf16_checkpoint_loads_into_fp32_and_fp16_on_other_meshes_and_an_fp32_
 
 
 def test_a_float32_checkpoint_of_any_precision_resumes_in_float64_exactly_and_not_the_other_way(tmp_path):
-    """docs/16 promised it and the loader refused it ("dtype float32 != float64"): widening
+    """docs/07-numbers.md promised it and the loader refused it ("dtype float32 != float64"): widening
     is exact, so the float64 run holds the very numbers saved; narrowing would round them."""
     source = make_trainer(MODEL, train_cfg(precision="bf16"), Topology.serial())
     steps(source, 3)

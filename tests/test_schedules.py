@@ -228,7 +228,7 @@ def test_a_layer_on_one_stage_only_fails_every_rank_alike(monkeypatch):
 
 
 def test_a_message_between_stages_waits_for_its_link_and_crosses_it():
-    """The planner's pipeline on links (docs/13): 1F1B over two stages, one micro-batch,
+    """The planner's pipeline on links (docs/15-planning-a-run.md): 1F1B over two stages, one micro-batch,
     a forward 1 and a backward 2. Free messages: 1 + 1 + 2 + 2 = 6. A message of 0.5 each
     way adds 1. Two micro-batches of GPipe on a link of 3 a message: the second
     activation waits for the first to leave the link, so stage 1 starts its second

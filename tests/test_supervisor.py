@@ -1,5 +1,5 @@
 """The supervisor (`run --max-restarts`, numpitron/cluster/supervisor.py,
-docs/15-many-hosts.md "Surviving a lost host"): its re-planned mesh and command, and on
+docs/17-many-hosts.md "Surviving a lost host"): its re-planned mesh and command, and on
 the simulated cluster a host taken down mid-run, after which the job finishes on the
 other host with the trajectory of a run resumed by hand from the same checkpoint.
 """

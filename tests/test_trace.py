@@ -1,4 +1,4 @@
-"""Traces (numpitron/trace/, docs/18-traces.md): a traced run writes a valid Chrome trace
+"""Traces (numpitron/trace/, docs/19-traces.md): a traced run writes a valid Chrome trace
 whose bytes, step times and pipeline bubble agree with what the run itself measures, the
 summary partitions every step, and an untraced run carries no wrapper at all."""
 

@@ -1,6 +1,6 @@
 """Ulysses and hybrid context parallelism (context_parallel/ulysses.py): where a group's chunks
 land, the sub-groups of cp, float64 equivalence with one process, the all-to-all and
-ring bytes against docs/13's formulas, and bad flags. (The ring alone is in
+ring bytes against docs/12-context-parallelism.md's formulas, and bad flags. (The ring alone is in
 test_context_parallel.py and test_equivalence.py.)"""
 
 import numpy as np
@@ -69,7 +69,7 @@ def test_four_ranks_match_serial(mesh):
 
 
 def expected_cp_bytes(model_cfg, train_cfg, microbatches, tp, cp, ulysses) -> dict:
-    """docs/13: per layer and micro-batch, with t = T/cp tokens and a block of
+    """docs/12-context-parallelism.md: per layer and micro-batch, with t = T/cp tokens and a block of
     B t C/tp values, the all-to-alls send (U-1)/U of q, k, v, the output, dO, dQ, dK,
     dV (8 blocks) and D (one value per token and local head); the ring over R = cp/U
     sends 4(R-1) + 2R blocks. Each rank receives what it sends."""

@@ -7,7 +7,7 @@ Format 2 (sharded.py): ROOT/iter_000123/shards/rank-NNNNN.bin, one file per writ
 rank, and a manifest that maps their bytes to slices of logical tensors and records
 every file's size and CRC-32; a reader checks them before trusting a byte. Format 1
 (one .npy per logical tensor, written by numpitron 0.1's first checkpoints and its
-`convert import`) is no longer read: docs/14-checkpoints-and-sampling.md says how to
+`convert import`) is no longer read: docs/16-checkpoints-and-sampling.md says how to
 convert one.
 """
 
@@ -94,7 +94,7 @@ def read_manifest(path) -> dict:
         raise UserError(f"corrupt checkpoint manifest {manifest_path}: format_version {version!r}")
     if version < FORMAT_VERSION:
         raise UserError(f"checkpoint {path} is in format {version} (one .npy per tensor), which this numpitron "
-                        f"no longer reads: convert it as docs/14-checkpoints-and-sampling.md says (older checkpoints)")
+                        f"no longer reads: convert it as docs/16-checkpoints-and-sampling.md says (older checkpoints)")
     if version > FORMAT_VERSION:
         raise UserError(f"checkpoint format version {version} is newer than this numpitron supports "
                         f"({FORMAT_VERSION}); upgrade numpitron")

@@ -128,7 +128,7 @@ def checkpoint_fields(trainer) -> dict:
         # Aux-loss-free balancing's bias: no optimizer state, the same on every rank and
         # for any mesh, small (n_layers x E): stored here whole (JSON floats round-trip).
         "moe_routing_bias": routing_bias(trainer.model).tolist(),
-        # Mixed precision's dynamic loss scale (docs/16-numbers.md): a resumed fp16 run
+        # Mixed precision's dynamic loss scale (docs/07-numbers.md): a resumed fp16 run
         # scales, skips and doubles as the uninterrupted one would.
         "loss_scaler": trainer.scaler.checkpoint() if trainer.scaler else None,
         # FP8's amax histories (precision/fp8.py): agreed over the world, so the same on every

@@ -7,7 +7,7 @@
     python -m numpitron.cluster kill-host 1
     python -m numpitron.cluster down
 
-Needs root (network namespaces); see numpitron/cluster/__init__.py and docs/15-many-hosts.md.
+Needs root (network namespaces); see numpitron/cluster/__init__.py and docs/17-many-hosts.md.
 """
 
 import argparse

@@ -1,4 +1,4 @@
-"""Keep a training job alive when a host or a rank is lost (docs/15-many-hosts.md,
+"""Keep a training job alive when a host or a rank is lost (docs/17-many-hosts.md,
 "Surviving a lost host").
 
 `run --max-restarts N` runs the job as `run` does; when it ends because a host's link
@@ -7,7 +7,7 @@ the hosts still up, from the run's last complete checkpoint (`--resume`). The me
 planned again for the ranks left: tensor, pipeline and context sizes stay, the
 data-parallel size shrinks, and the global batch stays what it was (passed explicitly),
 so the run goes on with the same batches and the same trajectory; checkpoints load on
-any mesh (docs/14-checkpoints-and-sampling.md). Each restart is one line.
+any mesh (docs/16-checkpoints-and-sampling.md). Each restart is one line.
 
 A job that fails on its own (bad flags, a corrupt checkpoint: exit code 1 with no host
 lost) is not restarted: it would fail the same way again.

@@ -69,7 +69,7 @@ class DataParallelOptimizer(DistributedOptimizer):
                                        parallel_cfg.overlap_grad_reduce, start=self.all_reduce_bucket)
 
     def all_reduce_bucket(self, lo: int, hi: int):
-        """Start summing grad[lo:hi] over dp, in the low format or fp32 (docs/16-numbers.md)."""
+        """Start summing grad[lo:hi] over dp, in the low format or fp32 (docs/07-numbers.md)."""
         return self.group.comm.iall_reduce(self.low_grads(self.store.grad[lo:hi]), self.grad_wire)
 
     def grads_ready(self, params) -> None:
@@ -78,7 +78,7 @@ class DataParallelOptimizer(DistributedOptimizer):
     def reduce_grads(self) -> None:
         self.buckets.finish()
         # The sum becomes the global batch's mean: divided by the data-parallel ranks it
-        # covers (the group's size, but for experts: docs/11-experts.md).
+        # covers (the group's size, but for experts: docs/13-experts.md).
         self.store.grad *= 1.0 / self.group.batch_ranks
 
     def grad_sumsq(self) -> float:

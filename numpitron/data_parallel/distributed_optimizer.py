@@ -52,7 +52,7 @@ class GradientGroup(NamedTuple):
     comm: object          # the replicas, averaged over (dp x cp; for experts the dp x cp / ep expert_dp ranks)
     batch_ranks: int      # data-parallel ranks whose tokens the summed gradient covers: the divisor
     whole_copy_comm: object  # ranks holding one whole copy of the store between them: the ZeRO-0 norm
-    # ZeRO, hybrid sharding (docs/07-zero-2-and-3.md): `comm` is shard_comm x copies_comm.
+    # ZeRO, hybrid sharding (docs/09-zero-2-and-3.md): `comm` is shard_comm x copies_comm.
     shard_comm: object    # the ranks that split the state between them (dp_shard)
     copies_comm: object   # the ranks holding the same shard, which average it (dp_replica)
     shard_norm_comm: object  # one copy of every shard between them: the ZeRO norm (dp_shard_model)
@@ -81,7 +81,7 @@ class DistributedOptimizer:
         self.store, self.topo, self.train_cfg = store, topo, train_cfg
         self.group = group or GradientGroup.dense(topo)
         self.lo, self.hi = lo, hi
-        # Mixed precision (docs/16-numbers.md): the rule moves an fp32 master copy of the
+        # Mixed precision (docs/07-numbers.md): the rule moves an fp32 master copy of the
         # slice; the stage's parameters, which the layers use, are rounded from here on.
         self.precision = precision or Unrounded()
         self.adam = self.precision.master_rule(AdamW(hi - lo, store.dtype, train_cfg.beta1, train_cfg.beta2,

@@ -14,7 +14,7 @@ A flat ring over all q h ranks would send 2 (qh-1)/(qh) x per rank, every step p
 by its slowest hop; the two-level one sends 1/q of the buffer over the slow tier. The
 groups are any pair whose product is the whole group: data parallelism uses HSDP's
 dp_shard (inner) and dp_replica (outer), on one host each when `--data-parallel-shard-size`
-is the dp ranks of a host (docs/07-zero-2-and-3.md).
+is the dp ranks of a host (docs/09-zero-2-and-3.md).
 """
 
 import numpy as np

@@ -17,7 +17,7 @@ Stage 2 reduce-scatters bucket by bucket during the backward instead of at the
 step (step 1 moves into the backward, overlapped like plain data parallelism), and
 keeps nothing but its slice of the gradients between steps.
 
-Hybrid sharding (HSDP, docs/07-zero-2-and-3.md): "dp" above is the shard group
+Hybrid sharding (HSDP, docs/09-zero-2-and-3.md): "dp" above is the shard group
 (dp_shard, cp x S ranks, inside a host), and between steps 1 and 2 each rank's
 gradient slice is all-reduced over its copies in the other replicas (dp_replica,
 dp / S ranks, across hosts): 1/(cp S) of the gradients cross the slow link. With

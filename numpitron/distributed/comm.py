@@ -12,7 +12,7 @@ it against the formula for each parallel strategy:
     all_to_all(v)             bytes this rank sends to the others (its own block stays)
 
 A reduction or gather may travel in a `wire` format MPI does not know (bf16, fp16 of a
-mixed-precision run, docs/16-numbers.md): the buffer is cast to it, moved as 2-byte
+mixed-precision run, docs/07-numbers.md): the buffer is cast to it, moved as 2-byte
 integers (so the bytes counted are the format's), summed by `low_format_sum` (each
 addition in fp32, rounded back to the format, as a 16-bit add on a device gives), and
 cast back into the buffer when the call completes (distributed/wire.py).
@@ -179,7 +179,7 @@ class Comm:
     def gatherv(self, mine: np.ndarray, full: np.ndarray | None, counts: list[int], root: int) -> None:
         """Concatenate every rank's piece (`counts` elements each, in rank order) into
         `full` on `root` (None elsewhere). Counted as the bytes this rank sends to
-        another rank: its piece, or nothing on the root (Muon's owners, docs/12)."""
+        another rank: its piece, or nothing on the root (Muon's owners, docs/10-muon.md)."""
         if self.size == 1:
             full[...] = mine
             return

@@ -28,17 +28,17 @@ VIEWS = {
 # group: (view, the axes that vary inside one group of it)
 GROUPS = {
     "tp": ("mesh", ("tp",)),                       # one layer's shards (chapter 4)
-    "cp": ("mesh", ("cp",)),                       # the parts of one sequence (chapter 10)
+    "cp": ("mesh", ("cp",)),                       # the parts of one sequence (chapter 12)
     "cp_ulysses": ("ulysses", ("cp_ulysses",)),    # Ulysses' all-to-all over heads
     "cp_ring": ("ulysses", ("cp_ring",)),          # the ring between Ulysses groups
     "dp": ("mesh", ("dp",)),                       # the data replicas (chapter 3)
     "dp_cp": ("mesh", ("dp", "cp")),               # every rank whose gradients average with this one's
     "pp": ("mesh", ("pp",)),                       # one pipeline (chapter 5)
     "model": ("mesh", ("pp", "tp")),               # one whole replica: the gradient norm
-    "ep": ("experts", ("ep",)),                    # ranks that split the experts (chapter 11)
+    "ep": ("experts", ("ep",)),                    # ranks that split the experts (chapter 13)
     "expert_dp": ("experts", ("expert_dp",)),      # ranks holding the same experts
     "expert_model": ("experts", ("pp", "ep", "tp")),  # one copy of every expert: its norm
-    "dp_shard": ("hybrid", ("dp_in_shard", "cp")),    # ZeRO's shards inside one replica (chapter 7)
+    "dp_shard": ("hybrid", ("dp_in_shard", "cp")),    # ZeRO's shards inside one replica (chapter 9)
     "dp_replica": ("hybrid", ("dp_replica",)),        # the replicas of one shard, across hosts
     "dp_shard_model": ("hybrid", ("pp", "dp_in_shard", "cp", "tp")),   # one copy of every shard: the norm
     "expert_dp_shard": ("hybrid_experts", ("expert_dp_in_shard",)),    # an expert's shards in a replica

@@ -20,7 +20,7 @@ the same place in their Ulysses groups form a ring (cp_ring, cp / U ranks). The 
 alone is U = 1, Ulysses alone U = cp; both groups exist on every mesh.
 
 Hybrid sharding (HSDP) adds no axis either: dp splits into dp / S replicas of S
-consecutive dp ranks each (`--data-parallel-shard-size S`, docs/07-zero-2-and-3.md).
+consecutive dp ranks each (`--data-parallel-shard-size S`, docs/09-zero-2-and-3.md).
 ZeRO shards over the cp x S ranks of one replica (dp_shard: on one host when a host
 holds tp x cp x S ranks) and the replicas average their shards over dp_replica (the
 slow link). S = dp is plain ZeRO (dp_replica has one rank), S = 1 replicates only.
@@ -113,7 +113,7 @@ class Topology:
         # ranks and tells it the others: their count, its index, the group joining them.
         self.replicas = None
         # Each rank's host, gathered once at set-up: the printout names them, and a
-        # group whose ranks sit on several hosts crosses the network (docs/15-many-hosts.md).
+        # group whose ranks sit on several hosts crosses the network (docs/17-many-hosts.md).
         self.hostnames = [socket.gethostname()] if world is None else world.allgather(socket.gethostname())
         if world is None:
             for name in (*GROUPS, "embedding"):

@@ -1,4 +1,4 @@
-"""Collectives in a format MPI has no type for (bf16, fp16: docs/16-numbers.md), for
+"""Collectives in a format MPI has no type for (bf16, fp16: docs/07-numbers.md), for
 `Comm`'s reductions and gathers. Values travel as integers of the format's size, so a
 bf16 gradient costs 2 bytes on the wire and the byte count says so; a sum adds in fp32
 and rounds to the format after every addition, as a 16-bit add on a device does.

@@ -19,8 +19,7 @@ so the element-wise slicing that lets ZeRO run AdamW on any 1/dp of a flat buffe
 not work here. `Muon` therefore receives an `orthogonalise` function that takes this
 rank's pieces of every hidden matrix and returns their pieces of the update; on one
 process it is `newton_schulz` matrix by matrix, on a mesh `muon/owners.py`
-gathers each matrix on one owner rank (docs/07-zero-2-and-3.md, "Muon needs whole
-matrices").
+gathers each matrix on one owner rank (docs/10-muon.md).
 """
 
 import math

@@ -16,7 +16,7 @@ least loaded rank (by elements), so the iterations run in parallel. Each phase u
 one kind of communicator in the same matrix order on every rank, so the blocking
 collectives cannot wait on each other in a cycle.
 
-Bytes (docs/07-zero-2-and-3.md): an element travels to its owner and its update back,
+Bytes (docs/10-muon.md): an element travels to its owner and its update back,
 one hop per axis on which it is not already at the owner. Summed over the stage's ranks,
 for matrices of E_k elements whose owner's ZeRO slice holds c_k elements of each shard:
 

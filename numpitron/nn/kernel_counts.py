@@ -2,7 +2,7 @@
 passes (one NumPy kernel over the array it works on), its exponentials, and its NumPy
 calls on per-row or per-parameter vectors. Change a kernel, change its line here.
 
-The planner prices these counts (plan/kernels.py, docs/13-planning-a-run.md);
+The planner prices these counts (plan/kernels.py, docs/15-planning-a-run.md);
 tests/test_plan.py checks the exponentials against a real step.
 """
 

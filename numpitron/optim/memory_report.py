@@ -1,4 +1,4 @@
-"""The bytes one optimizer's rank keeps, measured from its live buffers (docs/12): the
+"""The bytes one optimizer's rank keeps, measured from its live buffers (docs/09-zero-2-and-3.md): the
 planner's accounting (plan/accounting.py) must reproduce them to the byte."""
 
 

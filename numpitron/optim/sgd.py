@@ -6,7 +6,7 @@
 No momentum, so the step is linear in the parameters and the gradient together: the
 average of several copies' steps from one point is the step of their averaged
 gradient. That is what makes DiLoCo with one inner step equal plain data parallelism
-exactly (diloco/, docs/17-across-slow-links.md). `--weight-decay 0` makes it the
+exactly (diloco/, docs/18-across-slow-links.md). `--weight-decay 0` makes it the
 textbook p - lr g. Its checkpoint holds the parameters and nothing else.
 """
 

@@ -237,7 +237,7 @@ def closed_form_bubble(name: str, p: int, m: int, v: int = 1) -> float:
     a bubble of (p-1)(T_F + T_B - T_W) against 1F1B's (p-1)(T_F + T_B + T_W)).
     Exact for ZB-H1 when m >= p, and for interleaving when p divides m.
     ZB-V and DualPipeV, each chunk half a stage: every rank idles (p-1) chunk
-    forwards, (p-1)/2 of 1F1B's units, so (p-1)/(6m+p-1) (docs/09-pipeline-schedules.md
+    forwards, (p-1)/2 of 1F1B's units, so (p-1)/(6m+p-1) (docs/11-pipeline-schedules.md
     derives it and sets it beside the DualPipe README's table)."""
     if name in V_SHAPED:
         return (p - 1) / (6 * m + p - 1)

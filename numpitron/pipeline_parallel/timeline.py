@@ -51,7 +51,7 @@ def simulate(schedules: list[list[Op]], m: int, v: int = 1, cost=None, v_shape: 
     overlapped pair does (this executor starts the F alone, as soon as it can).
     transfer(from_rank, to_rank): seconds a message between two stages takes; each
     link carries one message at a time, in the order they are sent (the planner's
-    pipeline on links, docs/13-planning-a-run.md)."""
+    pipeline on links, docs/15-planning-a-run.md)."""
     p, cost = len(schedules), cost or UNIT_COST
     costs = cost if isinstance(cost, list) else [cost] * p
     placement = StagePlacement(p, v, v_shape)

@@ -8,7 +8,7 @@ any model on any mesh, per pipeline stage, before launching it.
 
 The flags are the training script's (numpitron/cli.py), plus --vocab-size, --device,
 --json, --search, --devices and --trace (the predicted step as a trace,
-docs/18-traces.md); a layout that cannot work gets the line training would give, from
+docs/19-traces.md); a layout that cannot work gets the line training would give, from
 the same checks.
 """
 
@@ -42,7 +42,7 @@ class PlanningFlags:
     search: bool = setting(False, "rank every layout of --devices devices")
     devices: int | None = setting(None, "world size (default: the mesh flags' product)")
     trace: str | None = setting(None, "also write the predicted step as a trace, beside a measured one "
-                                      "(docs/18-traces.md)", metavar="FILE.json")
+                                      "(docs/19-traces.md)", metavar="FILE.json")
 
 
 def parser():

@@ -163,9 +163,9 @@ def state_bytes(model, parallel, rank: Rank, optimizer: str = "adamw", precision
     Alive only during a pass: the whole gradient buffer (stage 2), the gathered layers
     and their gradients (stage 3: the root, and two blocks, one computing while the
     next is prefetched or the last is reduce-scattered; one without overlap). The peak
-    is the sum. Mixed precision (docs/16-numbers.md): parameters and gradients in the
+    is the sum. Mixed precision (docs/07-numbers.md): parameters and gradients in the
     low format, 2 bytes; the optimizer state 12 bytes an element of its slice, the fp32
-    master weights and both fp32 moments (Muon is fp32 only). Experts (docs/11-experts.md):
+    master weights and both fp32 moments (Muon is fp32 only). Experts (docs/13-experts.md):
     a second buffer, E/ep experts of each MoE block, sharded the same way over the
     expert_dp ranks of one replica (cp x S / ep), at stage 2 under ZeRO-3 (build.py)."""
     fmt = FORMATS[precision]

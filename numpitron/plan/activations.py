@@ -1,5 +1,6 @@
 """The activation bytes a rank's pipeline schedule keeps alive at its peak, from the
-configs and the mesh alone (docs/09, docs/10 and docs/13 derive them); tests compare
+configs and the mesh alone (docs/05-pipeline-parallelism.md, docs/06-sequence-parallelism-and-recomputation.md
+and docs/11-pipeline-schedules.md derive them); tests compare
 them with `PipelineStats.peak_activation_bytes` of a real run, to the byte. A rank is
 plan/accounting.py's `Rank`."""
 
@@ -12,7 +13,7 @@ from numpitron.precision.formats import FORMATS
 
 
 def chunk_activation_bytes(model, parallel, train, rank: Rank, chunk: int = 0) -> int:
-    """What one micro-batch's caches keep in one chunk of this stage (docs/09 and docs/13
+    """What one micro-batch's caches keep in one chunk of this stage (chapters 6 and 11
     derive it): its n_layers / (p v) blocks, the embeddings in virtual stage 0, the head
     in the last."""
     item, tp = model.itemsize, rank.tp

@@ -1,4 +1,4 @@
-"""What a mixture-of-experts block adds to a rank's plan (docs/11-experts.md), from the
+"""What a mixture-of-experts block adds to a rank's plan (docs/13-experts.md), from the
 configs alone: the experts' elements, the rows the all-to-alls carry, their FLOPs.
 
 A rank holds E/ep routed experts of each MoE block of its stage, whole (tp splits each
@@ -124,7 +124,7 @@ def moe_traffic(model, parallel, train, rank, add) -> None:
 
 
 def expert_gradient_traffic(model, parallel, rank, add, items, buckets) -> None:
-    """add() the expert buffer's gradient reduction (docs/11-experts.md): an all-reduce
+    """add() the expert buffer's gradient reduction (docs/13-experts.md): an all-reduce
     over expert_dp under ZeRO-0; from ZeRO-1 on (stage 2 at most), and with
     --hierarchical-all-reduce, a reduce-scatter of the padded buffer over the expert_dp
     ranks of one replica (expert_dp_shard), the slice's all-reduce over the replicas

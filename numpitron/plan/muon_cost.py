@@ -1,4 +1,4 @@
-"""What Muon adds to a step (docs/07-zero-2-and-3.md, "Muon needs whole matrices"): the
+"""What Muon adds to a step (docs/10-muon.md): the
 Newton-Schulz iterations on the owner ranks, how unevenly the owners share them, and
 the bytes of the gathers and scatters that bring each matrix to its owner and its
 step back, from the configs and the mesh alone.

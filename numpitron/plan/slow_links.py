@@ -1,5 +1,5 @@
 """Bytes a rank moves per iteration when it trains across slow links
-(docs/17-across-slow-links.md), as plan/traffic.py counts every other strategy's:
+(docs/18-across-slow-links.md), as plan/traffic.py counts every other strategy's:
 
 - DiLoCo (--diloco-replicas R, --diloco-inner-steps H): inside a replica, the traffic of
   a run on dp / R ranks reading the same micro-batches; across replicas, once every H

@@ -44,7 +44,7 @@ def gradient_buckets(model, rank: Rank, bucket_size: int, padding: int = 0, expe
 
 def comm_traffic(model, parallel, train, rank: Rank) -> dict:
     """{"<group>.<kind>": (bytes, calls)} of one training iteration on this rank. Mixed precision
-    (docs/16-numbers.md): dp gathers parameters in the low format, 2 bytes an element,
+    (docs/07-numbers.md): dp gathers parameters in the low format, 2 bytes an element,
     and sums gradients in it or in fp32 (--grad-reduce-dtype: `grad_item`); activations
     travel as the float32 arrays that hold them here. DiLoCo and compressed gradients:
     plan/slow_links.py."""

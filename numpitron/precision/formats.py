@@ -1,4 +1,4 @@
-"""Mixed-precision training emulated in float32 (docs/16-numbers.md; Micikevicius et al.
+"""Mixed-precision training emulated in float32 (docs/07-numbers.md; Micikevicius et al.
 2018, "Mixed Precision Training", §3).
 
 A run in bf16 or fp16 keeps three things in the low format and everything else in fp32:
@@ -115,7 +115,7 @@ FORMATS = {
 PRECISIONS = tuple(FORMATS)
 
 # What gradients are summed in over the data-parallel ranks (--grad-reduce-dtype,
-# docs/16-numbers.md): "param", the low format itself (2 bytes an element on the wire,
+# docs/07-numbers.md): "param", the low format itself (2 bytes an element on the wire,
 # every partial sum rounded to it), or "fp32" (4 bytes; the sum of the low-format
 # gradients is rounded once, when it lands in the low-format gradient buffer).
 GRAD_REDUCE_DTYPES = ("fp32", "param")

@@ -1,4 +1,4 @@
-"""FP8 matmuls, emulated (docs/16-numbers.md; Micikevicius et al. 2022, "FP8 Formats for
+"""FP8 matmuls, emulated (docs/07-numbers.md; Micikevicius et al. 2022, "FP8 Formats for
 Deep Learning", §3-4; Transformer Engine's delayed-scaling recipe).
 
 Every linear layer multiplies through a `matmul` object: `PLAIN` (a @ b) in every

@@ -1,5 +1,5 @@
 """fp32 master weights for a mixed-precision run (Micikevicius et al. 2018, §3.1;
-docs/16-numbers.md): the optimizer updates an fp32 copy of the parameters it owns, with
+docs/07-numbers.md): the optimizer updates an fp32 copy of the parameters it owns, with
 fp32 Adam moments, and the parameters the layers use are that copy rounded to the low
 format after every update. An update smaller than half a bf16 ulp of the weight (a
 relative 2^-9) would vanish if added to the bf16 weight itself; added to the master

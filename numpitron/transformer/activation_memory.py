@@ -1,5 +1,5 @@
 """The bytes one transformer block keeps for its backward, derived from what each of
-its layers puts in its cache (the derivation is in docs/08-sequence-parallelism-and-recomputation.md;
+its layers puts in its cache (the derivation is in docs/06-sequence-parallelism-and-recomputation.md;
 tests compare it with `cache_nbytes` of real caches, to the byte).
 
 For B sequences of T tokens (the rank's part after context parallelism), width C, H
