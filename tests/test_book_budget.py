@@ -96,3 +96,26 @@ def test_every_docs_path_named_in_the_repository_exists():
             named = DOC_PATH.findall(line) + [a or b for a, b in BARE_CHAPTER.findall(line)]
             stale += [f"{name}:{number}: docs/{page}" for page in named if not (REPO / "docs" / page).exists()]
     assert not stale, "pages that do not exist:\n" + "\n".join(stale)
+
+
+def anchors(page) -> set[str]:
+    """The anchors a Markdown page's headings make, as GitHub spells them."""
+    found, fenced = set(), False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#+ ", line):
+            found.add(re.sub(r"[^\w\- ]", "", line.split(" ", 1)[1].strip().lower()).replace(" ", "-"))
+    return found
+
+
+def test_every_link_to_a_section_finds_its_heading():
+    """A section moved to benchmarks/README.md or renamed in a renumbered chapter leaves no
+    link pointing at a heading that is gone."""
+    broken = []
+    for page in PAGES + [REPO / "README.md", REPO / "benchmarks" / "README.md"]:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", page.read_text()):
+            path = (page.parent / target).resolve() if target else page
+            if path.suffix == ".md" and (not path.exists() or anchor not in anchors(path)):
+                broken.append(f"{page.relative_to(REPO)}: {target}#{anchor}")
+    assert not broken, "links to missing sections:\n" + "\n".join(broken)

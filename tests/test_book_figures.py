@@ -155,7 +155,7 @@ CASES.append(("10-muon.md", f"{MUON} --optimizer muon", [
     ("c = 1.37", 1.37, 0.005, lambda r: r["step_s"] / planned(MUON)["step_s"])]))
 
 
-TABLE_12 = [  # layout flags, the row's exposed communication and bubble (s) as chapter 14 writes them
+TABLE_14 = [  # layout flags, the row's exposed communication and bubble (s) as chapter 14 writes them
     ("--tensor-parallel-size 8 --data-parallel-size 32", "| t = 8 (the paper's) | 4.0 s | 1.7 s | 0 |", 1.7, 0),
     ("--tensor-parallel-size 16 --data-parallel-size 16", "| t = 16, across two nodes | 4.0 s | 5.3 s | 0 |", 5.3, 0),
     ("--pipeline-parallel-size 8 --data-parallel-size 32", "| p = 8, d = 32 | 4.0 s | 0.02 s | 1.4 s |", 0.02, 1.4),
@@ -163,7 +163,7 @@ TABLE_12 = [  # layout flags, the row's exposed communication and bubble (s) as 
      "| t = 2, p = 4, d = 32 | 4.0 s | 0.2 s | 0.6 s |", 0.2, 0.6),
     ("--data-parallel-size 256 --zero-stage 3", "| ZeRO-3, d = 256 | 4.0 s | 3.6 s | 0 |", 3.6, 0),
 ]
-for flags, row, exposed, bubble in TABLE_12:
+for flags, row, exposed, bubble in TABLE_14:
     digits = 0.005 if exposed < 0.1 else 0.05
     CASES.append(("14-putting-it-together.md", f"{GPT_18B} {flags}", [
         (row, 4.0, 0.05, stage("matmul", 1)), (row, exposed, digits, stage("exposed_comm", 1)),
@@ -271,7 +271,7 @@ def test_each_quoted_figure_is_what_the_planner_prints(page, flags, figures):
     assert not wrong, f"{page}:\n" + "\n".join(wrong)
 
 
-def test_chapter_13s_table_is_the_paper_reproduced():
+def test_chapter_15s_table_is_the_paper_reproduced():
     """Every row of chapter 15's Megatron-LM table, as plan/paper.py's reproduce gives it."""
     from numpitron.plan.paper import reproduce
     text = (REPO / "docs" / "15-planning-a-run.md").read_text()
@@ -286,7 +286,7 @@ def test_chapter_13s_table_is_the_paper_reproduced():
     assert "within 13% of every row" in " ".join(text.split()) and 0.12 < worst <= 0.135
 
 
-def test_chapter_13s_plan_line_by_line_is_what_the_planner_prints():
+def test_chapter_15s_plan_line_by_line_is_what_the_planner_prints():
     """The report chapter 15 explains line by line, verbatim (this-machine's profile is
     the repository's, so the figures do not depend on where the test runs)."""
     text = (REPO / "docs" / "15-planning-a-run.md").read_text()
