@@ -121,8 +121,9 @@ def test_every_link_to_a_section_finds_its_heading():
     assert not broken, "links to missing sections:\n" + "\n".join(broken)
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if re.match(r"(\d\d|appendix)-", p.name)], ids=lambda p: p.name)
+@pytest.mark.parametrize("page", [p for p in PAGES if re.match(r"(\d\d|appendix)-", p.name) and p.name[:2] != "00"],
+                         ids=lambda p: p.name)
 def test_every_chapter_opens_with_the_code_it_teaches(page):
     """Each chapter's first lines name the folder or file of the house it teaches."""
     opening = page.read_text().splitlines()[2]
-    assert opening.startswith("*Code:* [`numpitron/"), f"{page.name} does not open with its code: {opening!r}"
+    assert opening.startswith("*Code:*") and "`numpitron/" in opening, f"{page.name} does not open with its code"
