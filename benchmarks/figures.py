@@ -227,7 +227,7 @@ def hsdp_rates(plt) -> dict:
         mid = [statistics.median(ms) for ms in runs]
         time_ax.errorbar(x, mid, yerr=[[m - min(ms) for m, ms in zip(mid, runs)], [max(ms) - m for m, ms in zip(mid, runs)]],
                          fmt=style, capsize=2, label=name, lw=1.2, ms=4)
-        bytes_ax.plot(x, [statistics.median(r["layouts"][name]["sent_bytes"]) / 1e6 for r in rates], style, label=name, ms=4)
+        bytes_ax.plot(x, [statistics.median(r["layouts"][name]["sent_bytes"]) / 2**20 for r in rates], style, label=name, ms=4)
     planned = data["crossover_mbit"]["with_alpha"]
     if planned:
         time_ax.axvline(planned, color="k", ls=":", lw=1, label="planned crossover")
@@ -236,7 +236,7 @@ def hsdp_rates(plt) -> dict:
     link_ax.plot(x, x, "k:", lw=1, label="the shaped rate")
     time_ax.set(xscale="log", yscale="log", xlabel="inter-host rate, Mbit/s per rank (shaped)", ylabel="ms per step",
                 title="Step time (median, range over rounds)")
-    bytes_ax.set(xscale="log", xlabel="inter-host rate, Mbit/s per rank (shaped)", ylabel="MB per step",
+    bytes_ax.set(xscale="log", xlabel="inter-host rate, Mbit/s per rank (shaped)", ylabel="MiB per step",
                  title="Bytes host 0 sent to the other host", ylim=(0, None))
     link_ax.set(xscale="log", yscale="log", xlabel="inter-host rate, Mbit/s per rank (shaped)", ylabel="Mbit/s",
                 title="Rate an all-reduce sweep got (last run)")
@@ -402,7 +402,7 @@ def main():
     p.add_argument("--only", choices=sorted(ALONE),
                    help="make this figure alone (figures.json keeps the rest)")
     p.add_argument("--redraw", action="store_true",
-                   help="draw bubble, throughput, bytes, memory_zero and race again from figures.json and race.json, "
+                   help="draw bubble, throughput, bytes, memory_zero, race, hsdp_rates and cluster_rates again from their saved JSON, "
                         "running nothing")
     p.add_argument("--tables", action="store_true",
                    help="print chapter 5's table and chapter 12's from figures.json (the runs that drew their figures)")
@@ -421,6 +421,8 @@ def main():
         draw_layouts(plt, data["layouts"], 20, data["machine"])
         draw_memory(plt, data["memory_zero"], data["machine"])
         race(plt)
+        hsdp_rates(plt)
+        cluster_rates(plt)
         return
     if args.only:
         data = json.loads((FIGURES / "figures.json").read_text())
