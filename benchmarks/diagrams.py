@@ -10,9 +10,12 @@ the zigzag split (numpitron/context_parallel/).
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from numpitron.context_parallel.zigzag import zigzag_chunks  # noqa: E402
 COLOURS = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6", "#9d755d"]
 
 
@@ -23,11 +26,12 @@ def box(ax, x, y, w, h, colour, text="", fontsize=8, alpha=1.0, hatch=None):
         ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize)
 
 
-def ring_all_reduce(plt, n=4):
+def ring_states(n: int):
     """Reduce-scatter then all-gather on n ranks: at step s of the reduce-scatter, rank r
     sends chunk (r - s) mod n to rank r + 1, which adds it to its own; after n - 1 steps
     rank r holds the whole sum of chunk (r + 1) mod n, and the all-gather passes the sums
-    on in n - 1 more steps. A cell lists the ranks whose values it holds summed."""
+    on in n - 1 more steps. Returns the states (state[rank][chunk]: the set of ranks whose
+    values that chunk holds summed) and each step's (phase, step, [(sender, chunk)])."""
     held = [[{r} for _ in range(n)] for r in range(n)]     # held[rank][chunk]: ranks summed in it
     states, sends = [[[set(c) for c in row] for row in held]], []
     for phase in ("reduce-scatter", "all-gather"):
@@ -40,6 +44,26 @@ def ring_all_reduce(plt, n=4):
             held = new
             states.append([[set(c) for c in row] for row in held])
             sends.append((phase, s, moves))
+    return states, sends
+
+
+def zigzag_owner(cp: int) -> list[int]:
+    """Which cp rank holds each of the 2 cp blocks of a sequence, from the library's own split."""
+    owner = [0] * (2 * cp)
+    for rank in range(cp):
+        for chunk in zigzag_chunks(2, cp, rank):         # a local length of 2: one row per block
+            owner[chunk.position] = rank
+    return owner
+
+
+def mesh_rank(t: int, c: int, d: int, p: int, tp: int, cp: int, dp: int) -> int:
+    """Megatron's order (numpitron/distributed/topology.py): tp fastest, then cp, dp, pp."""
+    return t + tp * (c + cp * (d + dp * p))
+
+
+def ring_all_reduce(plt, n=4):
+    """The states of `ring_states`, one panel a step; a cell lists the ranks summed in it."""
+    states, sends = ring_states(n)
     fig, axes = plt.subplots(1, len(states), figsize=(2.0 * len(states), 2.9))
     for i, (ax, state) in enumerate(zip(axes, states)):
         for r in range(n):
@@ -51,7 +75,7 @@ def ring_all_reduce(plt, n=4):
         if i:
             ax.set_title(f"{sends[i - 1][0]}\nstep {sends[i - 1][1] + 1}", fontsize=8)
             for r, chunk in sends[i - 1][2]:
-                ax.plot(chunk + 0.85, n - 1 - r + 0.85, "k.", ms=4)
+                ax.plot(chunk + 0.85, n - 1 - (r + 1) % n + 0.85, "k.", ms=4)     # at the receiver
         else:
             ax.set_title("start: rank r holds\nits own values (r)", fontsize=8)
         ax.set(xlim=(0, n), ylim=(0, n), aspect="equal")
@@ -102,7 +126,7 @@ def mesh_order(plt, tp=2, cp=2, dp=2, pp=2):
         for d in range(dp):
             for c in range(cp):
                 for t in range(tp):
-                    rank = t + tp * (c + cp * (d + dp * stage))
+                    rank = mesh_rank(t, c, d, stage, tp, cp, dp)
                     x, y = t + tp * c + 0.25 * c, dp - 1 - d
                     box(ax, x, y, 0.95, 0.9, COLOURS[c + cp * d], f"{rank}\nt{t} c{c} d{d}", fontsize=7)
         for d in range(dp):
@@ -153,7 +177,7 @@ def zigzag_blocks(plt):
     fig, axes = plt.subplots(1, 2, figsize=(9, 4.4))
     for ax, cp in zip(axes, (2, 4)):
         n = 2 * cp
-        owner = [min(b, n - 1 - b) for b in range(n)]
+        owner = zigzag_owner(cp)
         for q in range(n):
             for k in range(n):
                 if k <= q:
@@ -183,12 +207,13 @@ def main():
     args = p.parse_args()
     import matplotlib
     matplotlib.use("Agg")
+    matplotlib.rcParams["svg.hashsalt"] = "numpitron"          # the same ids on every redraw
     import matplotlib.pyplot as plt
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, draw in DIAGRAMS.items():
         fig = draw(plt)
-        fig.savefig(out / f"{name}.svg", bbox_inches="tight")
+        fig.savefig(out / f"{name}.svg", bbox_inches="tight", metadata={"Date": None})   # no churn on a redraw
         if args.png:
             fig.savefig(out / f"{name}.png", bbox_inches="tight", dpi=110)
         plt.close(fig)

@@ -413,6 +413,7 @@ def main():
         return
     import matplotlib
     matplotlib.use("svg")
+    matplotlib.rcParams["svg.hashsalt"] = "numpitron"          # the same ids on every redraw
     import matplotlib.pyplot as plt
     FIGURES.mkdir(parents=True, exist_ok=True)
     if args.redraw:
