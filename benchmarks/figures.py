@@ -44,8 +44,11 @@ def run_json(cmd: list) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def caption(ax, text: str) -> None:
-    ax.figure.text(0.01, 0.005, f"{text}\n{machine()}", fontsize=6, color="#555555", va="bottom")
+def caption(ax, text: str, where: str | None = None) -> None:
+    """The command and the machine, under the x-axis label (anchored to it, so it never
+    overlaps the tick labels however tall they are; bbox_inches="tight" keeps it in)."""
+    ax.annotate(f"{text}\n{where or machine()}", xy=(0, 0), xycoords=("axes fraction", ax.xaxis.label),
+                xytext=(0, -6), textcoords="offset points", fontsize=6, color="#555555", va="top", ha="left")
 
 
 def loss_curves(plt, data_dir: Path, iters: int) -> dict:
@@ -83,6 +86,11 @@ def bubble(plt, iters: int) -> dict:
             sweep.setdefault(schedule, []).append((m, result["pipeline_bubble_measured_median"],
                                                    result["pipeline_bubble_formula"],
                                                    result["peak_activation_bytes_per_rank"][0], result["tokens_per_s"]))
+    draw_bubble(plt, sweep, iters)
+    return sweep
+
+
+def draw_bubble(plt, sweep: dict, iters: int, where: str | None = None) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for schedule, points in sweep.items():
         ms, measured = [p[0] for p in points], [p[1] for p in points]
@@ -92,9 +100,8 @@ def bubble(plt, iters: int) -> dict:
     ax.set_xticks(ms, [str(m) for m in ms])
     ax.legend()
     caption(ax, f"mpiexec -n 2 python benchmarks/benchmark.py --pipeline-parallel-size 2 --micro-batch-size 4 "
-                f"--global-batch-size 4m, medians of {iters} iterations")
+                f"--global-batch-size 4m, medians of {iters} iterations", where)
     fig.savefig(FIGURES / "bubble.svg", bbox_inches="tight")
-    return sweep
 
 
 def bubble_table(sweep: dict) -> list[str]:
@@ -133,13 +140,18 @@ def layouts(plt, iters: int) -> dict:
             "ranks": ranks, "layout": label, "tokens_per_s": measured["tokens_per_s"], "global_batch": batch,
             "mfu": measured["mfu"], "comm_bytes_per_iter": measured["comm_bytes_per_iter"],
             "bytes": measured["comm_bytes_per_iter_by_kind"], "planned_bytes": planned["stages"][0]["comm_bytes"]}
+    draw_layouts(plt, results, iters)
+    return results
+
+
+def draw_layouts(plt, results: dict, iters: int, where: str | None = None) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.5))
     labels = list(results)
     ax.barh(labels, [results[k]["tokens_per_s"] for k in labels], color="#4c78a8")
     ax.invert_yaxis()
     ax.tick_params(axis="y", labelsize=7)
     ax.set(xlabel="tokens/s", title="Throughput per layout, default model")
-    caption(ax, f"python benchmarks/benchmark.py under mpiexec -n 1, 2 or 4, medians of {iters} iterations")
+    caption(ax, f"python benchmarks/benchmark.py under mpiexec -n 1, 2 or 4, medians of {iters} iterations", where)
     fig.savefig(FIGURES / "throughput.svg", bbox_inches="tight")
     fig, ax = plt.subplots(figsize=(6.4, 4.5))
     rows = [(f"{data['layout']}: {kind}", data["bytes"][kind], data["planned_bytes"].get(kind, 0))
@@ -147,14 +159,13 @@ def layouts(plt, iters: int) -> dict:
             if data["bytes"][kind] > 100]
     names, measured, planned = zip(*rows)
     y = range(len(rows))
-    ax.barh([i + 0.2 for i in y], [m / 1e6 for m in measured], height=0.4, label="measured (CommStats)")
-    ax.barh([i - 0.2 for i in y], [p / 1e6 for p in planned], height=0.4, label="formula (planner)")
+    ax.barh([i + 0.2 for i in y], [m / 2**20 for m in measured], height=0.4, label="measured (CommStats)")
+    ax.barh([i - 0.2 for i in y], [p / 2**20 for p in planned], height=0.4, label="formula (planner)")
     ax.set_yticks(list(y), names, fontsize=7)
-    ax.set(xlabel="MB per iteration (stage 0)", title="Bytes per collective: measured and formula")
+    ax.set(xlabel="MiB per iteration (stage 0)", title="Bytes per collective: measured and formula")
     ax.legend()
-    caption(ax, "benchmarks/benchmark.py against python -m numpitron.plan with the same flags")
+    caption(ax, "benchmarks/benchmark.py against python -m numpitron.plan with the same flags", where)
     fig.savefig(FIGURES / "bytes.svg", bbox_inches="tight")
-    return results
 
 
 def throughput_table(results: dict) -> list[str]:
@@ -179,21 +190,26 @@ def memory(plt) -> dict:
             result = run_json(launch(dp, "benchmarks/benchmark.py", ["--data-parallel-size", str(dp), "--zero-stage",
                                                                      str(zero), "--iters", "2"]))
             sizes[f"ZeRO-{zero}, dp = {dp}"] = result["memory_bytes_per_rank"][0]
+    draw_memory(plt, sizes)
+    return sizes
+
+
+def draw_memory(plt, sizes: dict, where: str | None = None) -> None:
     parts = {"params": "parameters", "grads": "gradients", "optimizer_state": "Adam m and v",
              "gathered_params_peak": "gathered layers (peak)", "backward_grads_peak": "whole gradients (peak)"}
     fig, ax = plt.subplots(figsize=(6.4, 4))
     labels, bottom = list(sizes), [0.0] * len(sizes)
     for part, label in parts.items():
-        values = [sizes[k][part] / 1e6 for k in labels]
+        values = [sizes[k][part] / 2**20 for k in labels]
         ax.barh(labels, values, left=bottom, label=label, hatch="//" if "peak" in part else None)
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.invert_yaxis()
-    ax.set(xlabel="MB per rank (hatched: only during a pass)", title="What each rank stores, by ZeRO stage")
-    ax.legend(fontsize=7)
+    ax.set_xlim(0, 1.05 * max(bottom))         # every bar whole, ZeRO-0's the longest
+    ax.set(xlabel="MiB per rank (hatched: only during a pass)", title="What each rank stores, by ZeRO stage")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))     # beside the bars, not over them
     caption(ax, "mpiexec -n dp python benchmarks/benchmark.py --data-parallel-size dp --zero-stage z "
-                "(default model, float32): memory_bytes_per_rank")
+                "(default model, float32): memory_bytes_per_rank", where)
     fig.savefig(FIGURES / "memory_zero.svg", bbox_inches="tight")
-    return sizes
 
 
 def hsdp_rates(plt) -> dict:
@@ -211,7 +227,7 @@ def hsdp_rates(plt) -> dict:
         mid = [statistics.median(ms) for ms in runs]
         time_ax.errorbar(x, mid, yerr=[[m - min(ms) for m, ms in zip(mid, runs)], [max(ms) - m for m, ms in zip(mid, runs)]],
                          fmt=style, capsize=2, label=name, lw=1.2, ms=4)
-        bytes_ax.plot(x, [statistics.median(r["layouts"][name]["sent_bytes"]) / 1e6 for r in rates], style, label=name, ms=4)
+        bytes_ax.plot(x, [statistics.median(r["layouts"][name]["sent_bytes"]) / 2**20 for r in rates], style, label=name, ms=4)
     planned = data["crossover_mbit"]["with_alpha"]
     if planned:
         time_ax.axvline(planned, color="k", ls=":", lw=1, label="planned crossover")
@@ -220,7 +236,7 @@ def hsdp_rates(plt) -> dict:
     link_ax.plot(x, x, "k:", lw=1, label="the shaped rate")
     time_ax.set(xscale="log", yscale="log", xlabel="inter-host rate, Mbit/s per rank (shaped)", ylabel="ms per step",
                 title="Step time (median, range over rounds)")
-    bytes_ax.set(xscale="log", xlabel="inter-host rate, Mbit/s per rank (shaped)", ylabel="MB per step",
+    bytes_ax.set(xscale="log", xlabel="inter-host rate, Mbit/s per rank (shaped)", ylabel="MiB per step",
                  title="Bytes host 0 sent to the other host", ylim=(0, None))
     link_ax.set(xscale="log", yscale="log", xlabel="inter-host rate, Mbit/s per rank (shaped)", ylabel="Mbit/s",
                 title="Rate an all-reduce sweep got (last run)")
@@ -385,6 +401,9 @@ def main():
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", choices=sorted(ALONE),
                    help="make this figure alone (figures.json keeps the rest)")
+    p.add_argument("--redraw", action="store_true",
+                   help="draw bubble, throughput, bytes, memory_zero, race, hsdp_rates and cluster_rates again from their saved JSON, "
+                        "running nothing")
     p.add_argument("--tables", action="store_true",
                    help="print chapter 5's table and chapter 14's from figures.json (the runs that drew their figures)")
     args = p.parse_args()
@@ -394,8 +413,18 @@ def main():
         return
     import matplotlib
     matplotlib.use("svg")
+    matplotlib.rcParams["svg.hashsalt"] = "numpitron"          # the same ids on every redraw
     import matplotlib.pyplot as plt
     FIGURES.mkdir(parents=True, exist_ok=True)
+    if args.redraw:
+        data = json.loads((FIGURES / "figures.json").read_text())
+        draw_bubble(plt, data["bubble"], 20, data["machine"])
+        draw_layouts(plt, data["layouts"], 20, data["machine"])
+        draw_memory(plt, data["memory_zero"], data["machine"])
+        race(plt)
+        hsdp_rates(plt)
+        cluster_rates(plt)
+        return
     if args.only:
         data = json.loads((FIGURES / "figures.json").read_text())
         data[args.only] = ALONE[args.only](plt, Path(args.data_dir).resolve(), 5 if args.quick else 20)
@@ -408,6 +437,7 @@ def main():
                    check=True, cwd=REPO, capture_output=True)
     subprocess.run(launch(1, "benchmarks/pipeline_timeline.py", ["--ideal", "4", "--out", "docs/pipeline_ideal.svg"]),
                    check=True, cwd=REPO, capture_output=True)
+    subprocess.run(launch(1, "benchmarks/diagrams.py", []), check=True, cwd=REPO, capture_output=True)
     data["context_parallel_blocks"] = context_parallel_blocks()
     data["hsdp_rates"] = hsdp_rates(plt)
     data["routing"] = routing(Path(args.data_dir).resolve(), 200 if args.quick else 2000)

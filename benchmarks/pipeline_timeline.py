@@ -3,6 +3,10 @@ interleaved 1F1B with 2 virtual stages, zero-bubble ZB-H1, ZB-V, DualPipeV), as 
 
     mpiexec -n 2 python benchmarks/pipeline_timeline.py --out docs/pipeline_timeline.svg
     python benchmarks/pipeline_timeline.py --ideal 4 --out docs/pipeline_ideal.svg
+    python benchmarks/pipeline_timeline.py --redraw docs/figures/pipeline_timeline.json
+
+A measured run also writes its events beside the figure (docs/figures/pipeline_timeline.json),
+so --redraw draws the chart again from them without running anything.
 
 With --ideal p, no process runs: the schedules' unit-cost timelines on p stages come
 from the simulator (pipeline_parallel/schedules.py, simulate), a forward, an input half and a
@@ -17,6 +21,7 @@ gives every chunk one block.
 """
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -30,6 +35,7 @@ configure_process(sys.argv)
 from numpitron.pipeline_parallel.schedules import closed_form_bubble  # noqa: E402
 
 COLORS = {"F": "#4c78a8", "BW": "#f58518", "B": "#e45756", "W": "#54a24b"}
+LIGHT = {"F": "#9ebde0", "BW": "#f9c27f", "B": "#f0a2a3", "W": "#a5d49f"}     # the same, a chunk > 0
 SCHEDULES = (("gpipe", 1, "GPipe"), ("1f1b", 1, "1F1B"), ("interleaved", 2, "interleaved 1F1B, v = 2"),
              ("zero-bubble", 1, "zero-bubble (ZB-H1)"), ("zb-v", 2, "ZB-V"), ("dualpipev", 2, "DualPipeV"))
 ROW_H, LEFT, WIDTH = 26, 70, 900
@@ -74,12 +80,12 @@ def _world_size() -> int:
     return MPI.COMM_WORLD.Get_size()
 
 
-def draw(panels, microbatches: int, ideal: bool = False) -> str:
+def draw(panels, microbatches: int, ideal: bool = False, made: str = "") -> str:
     """panels: [(schedule, v, title, per_stage)], per_stage = [(events, wall_s, peak)] by
     stage; ideal: unit-cost timelines (times in units, not seconds)."""
     stages = len(panels[0][3])
     panel_h = (stages + 2) * ROW_H
-    height = panel_h * len(panels) + 46
+    height = panel_h * len(panels) + 66
     svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + 20}" height="{height}" '
            'font-family="sans-serif" font-size="12">', '<rect width="100%" height="100%" fill="white"/>']
     longest = max(wall for *_, per_stage in panels for _, wall, _ in per_stage)
@@ -98,17 +104,26 @@ def draw(panels, microbatches: int, ideal: bool = False) -> str:
             svg.append(f'<rect x="{LEFT}" y="{y}" width="{wall * scale:.1f}" height="{ROW_H - 6}" fill="#eeeeee"/>')
             for op, mb, start, end, chunk in events:
                 x, w = LEFT + start * scale, max((end - start) * scale, 1)
-                label = f"{mb}" + (f":{chunk}" if virtual > 1 else "")
-                svg.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{ROW_H - 6}" fill="{COLORS[op]}" '
-                           f'stroke="white"/><text x="{x + 2:.1f}" y="{y + 14}" fill="white" font-size="9">'
-                           f'{label}</text>')
+                # The chunk is the shade (a label "mb:chunk" does not fit the narrow boxes of
+                # interleaving and the V); the micro-batch is written only where it fits.
+                colour = (LIGHT if chunk else COLORS)[op]
+                text = (f'<text x="{x + w / 2:.1f}" y="{y + 14}" fill="black" font-size="9" text-anchor="middle">'
+                        f'{mb}</text>') if w >= 6 * len(str(mb)) + 2 else ""
+                svg.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{ROW_H - 6}" fill="{colour}" '
+                           f'stroke="white"/>{text}')
     across = f"{longest:g} units (a stage's forward: 1)" if ideal else f"{longest * 1e3:.0f} ms"
-    svg.append(f'<text x="{LEFT}" y="{height - 24}">blue: forward, orange: whole backward, red: its input half B, '
-               f'green: its weight half W, grey: idle (waiting for a neighbour); labels: micro-batch[:chunk]; '
-               f'{across} across</text>')
-    made = (f"python benchmarks/pipeline_timeline.py --ideal {stages} --microbatches {microbatches}: the simulator, "
-            f"unit costs" if ideal else f"mpiexec -n {stages} python benchmarks/pipeline_timeline.py on "
-            f"{platform.machine()}, {os.cpu_count()} cores")
+    keys = [("F", "forward"), ("BW", "whole backward"), ("B", "input half B"), ("W", "weight half W")]
+    x = LEFT
+    for op, name in keys:
+        svg.append(f'<rect x="{x}" y="{height - 53}" width="12" height="12" fill="{COLORS[op]}"/>'
+                   f'<rect x="{x + 13}" y="{height - 53}" width="12" height="12" fill="{LIGHT[op]}"/>'
+                   f'<text x="{x + 30}" y="{height - 43}">{name}</text>')
+        x += 40 + 7 * len(name)
+    svg.append(f'<text x="{x}" y="{height - 43}">grey: idle (waiting for a neighbour)</text>')
+    svg.append(f'<text x="{LEFT}" y="{height - 25}">dark: chunk 0, light: chunk 1 (interleaved, V); numbers: '
+               f'micro-batch; {across} across</text>')
+    made = made or (f"python benchmarks/pipeline_timeline.py --ideal {stages} --microbatches {microbatches}: the "
+                    f"simulator, unit costs")
     svg.append(f'<text x="{LEFT}" y="{height - 8}" font-size="9" fill="#555">{made}</text>')
     svg.append("</svg>")
     return "\n".join(svg)
@@ -119,7 +134,13 @@ def main():
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--out", default="docs/pipeline_timeline.svg")
     parser.add_argument("--ideal", type=int, metavar="P", help="draw the unit-cost timelines of P stages instead")
+    parser.add_argument("--redraw", metavar="FILE.json", help="draw a measured run's saved events again, running nothing")
     args, _ = parser.parse_known_args()
+    if args.redraw:
+        saved = json.loads(Path(args.redraw).read_text())
+        Path(args.out).write_text(draw(saved["panels"], saved["microbatches"], made=saved["made"]))
+        print(f"wrote {args.out}")
+        return
     if args.ideal:
         panels = [(schedule, virtual, title, simulated_iteration(schedule, virtual, args.ideal, args.microbatches))
                   for schedule, virtual, title in SCHEDULES]
@@ -131,7 +152,11 @@ def main():
         topo, per_stage = record_iteration(schedule, virtual, args.microbatches)
         panels.append((schedule, virtual, title, per_stage))
     if topo.rank == 0:
-        Path(args.out).write_text(draw(panels, args.microbatches))
+        made = f"mpiexec -n {len(panels[0][3])} python benchmarks/pipeline_timeline.py on {platform.machine()}, " \
+               f"{os.cpu_count()} cores"
+        Path(args.out).write_text(draw(panels, args.microbatches, made=made))
+        (Path(__file__).resolve().parents[1] / "docs" / "figures" / "pipeline_timeline.json").write_text(json.dumps(
+            {"microbatches": args.microbatches, "made": made, "panels": panels}))
         print(f"wrote {args.out}")
 
 
