@@ -7,6 +7,7 @@ from mpi4py import MPI
 
 from numpitron.distributed.topology import Mesh
 from numpitron.plan.accounting import Rank
+from numpitron.plan.slow_links import diloco_state_bytes, hidden_outer_seconds
 from numpitron.plan.traffic import comm_bytes
 from tests.harness import SMALLER, assert_on_every_rank, make_trainer, tiny_model, tiny_tokens, tiny_train
 from tests.test_diloco import diloco_trainer
@@ -31,6 +32,34 @@ def test_planned_diloco_bytes_per_iteration_equal_a_rounds_counts(inner_steps):
     store = trainer.optimizer.store
     assert planned["diloco.all_reduce"] == store.size * store.dtype.itemsize / inner_steps    # 2 (R-1)/R = 1
     assert_on_every_rank({"comm": (measured, planned)})
+
+
+@pytest.mark.parallel(nprocs=2)
+@pytest.mark.parametrize("streaming", [dict(diloco_fragments=2, diloco_overlap_steps=1),
+                                       dict(diloco_fragments=3, diloco_outer_dtype="bf16"),
+                                       dict(diloco_fragments=2, diloco_outer_dtype="int8")],
+                         ids=["fp32-tau1", "bf16", "int8"])
+def test_planned_streaming_bytes_and_buffers_equal_a_runs(streaming):
+    """A round of streaming DiLoCo (H = 4) moves what the planner says per iteration, in
+    its outer dtype; its buffers (θ_start, momentum, and the mean in flight when τ > 0)
+    are the planner's bytes."""
+    train = tiny_train(diloco_replicas=2, diloco_inner_steps=4, max_iters=20, **streaming)
+    trainer = diloco_trainer(train, Mesh(1, 1, 2))
+    trainer.train_step(tiny_tokens())               # a step in: the round counted below wraps around
+    measured = bytes_per_iteration(trainer, 4)
+    rank = Rank(1, 1, 2, 1, dp_rank=MPI.COMM_WORLD.rank)
+    planned = comm_bytes(MODEL, trainer.parallel_cfg, train, rank)
+    buffers = sum(buf.nbytes for buf in trainer.optimizer.adam.buffers())
+    assert diloco_state_bytes(MODEL, trainer.parallel_cfg, train, rank) == {"diloco": buffers}
+    assert_on_every_rank({"comm": (measured, planned)})
+
+
+def test_overlap_hides_at_most_the_exchange_and_tau_steps_of_compute():
+    """F exchanges a round of H steps, each outer_seconds H / F long, behind τ steps."""
+    train = tiny_train(diloco_replicas=2, diloco_inner_steps=10, diloco_fragments=5, diloco_overlap_steps=2)
+    assert hidden_outer_seconds(train, 1.0, 10.0) == 1.0                   # all of it: the link is fast enough
+    assert hidden_outer_seconds(train, 1.0, 0.1) == 5 / 10 * 2 * 0.1       # τ steps' worth per exchange
+    assert hidden_outer_seconds(tiny_train(diloco_replicas=2, diloco_inner_steps=10), 1.0, 10.0) == 0.0
 
 
 @pytest.mark.parallel(nprocs=2)

@@ -25,7 +25,7 @@ from numpitron.distributed.sharding import balanced_bounds
 
 FLAT_BUFFERS = ("params", "adam_m", "adam_v")
 MUON_BUFFER = "muon_m"
-DILOCO_BUFFERS = ("diloco_start", "diloco_momentum")  # DiLoCo's θ_start and outer momentum (diloco/outer.py)
+DILOCO_BUFFERS = ("diloco_start", "diloco_momentum", "diloco_received")  # θ_start, outer momentum, Δ in flight (diloco/outer.py)
 KNOWN_BUFFERS = FLAT_BUFFERS + (MUON_BUFFER,) + DILOCO_BUFFERS  # every kind a checkpoint may hold
 
 
