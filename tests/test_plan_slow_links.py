@@ -65,7 +65,9 @@ def test_overlap_hides_at_most_the_exchange_and_tau_steps_of_compute():
 @pytest.mark.parallel(nprocs=2)
 @pytest.mark.parametrize("compression", [dict(grad_compression="int8"),
                                          dict(grad_compression="powersgd", powersgd_rank=2),
-                                         dict(grad_compression="powersgd", powersgd_rank=10_000)])
+                                         dict(grad_compression="powersgd", powersgd_rank=10_000),
+                                         dict(grad_compression="int8", zero_stage=1),
+                                         dict(grad_compression="powersgd", powersgd_rank=2, zero_stage=1)])
 def test_planned_compressed_gradient_bytes_equal_a_steps_counts(compression):
     train = tiny_train()
     trainer = make_trainer(MODEL, train, data=2, **compression)

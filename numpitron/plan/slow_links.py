@@ -95,9 +95,10 @@ def hidden_outer_seconds(train, outer_seconds: float, step_compute: float) -> fl
     return F / H * min(outer_seconds * H / F, train.diloco_overlap_steps * step_compute)
 
 
-def compressed_traffic(model, parallel, rank, item: int) -> tuple[str, float, int]:
-    """(kind, bytes, calls) of one step's compressed gradient reduction over dp x cp."""
-    p, shapes = rank.dp * rank.cp, stage_shapes(model, rank)
+def compressed_traffic(model, parallel, rank, item: int, padding: int = 0) -> tuple[str, float, int]:
+    """(kind, bytes, calls) of one step's compressed gradient reduction over dp x cp;
+    ZeRO-1's padding is one more vector (compression/segments.py)."""
+    p, shapes = rank.dp * rank.cp, stage_shapes(model, rank) + ([((padding,), False)] if padding else [])
     if parallel.grad_compression == "int8":
         elements = sum(math.prod(shape) for shape, _ in shapes)
         return "dp_cp.all_gather", (p - 1) * (elements + len(shapes) * item), 2
