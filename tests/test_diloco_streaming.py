@@ -138,3 +138,24 @@ def test_a_streaming_run_resumes_with_an_exchange_in_flight_bit_for_bit(shared_d
     assert losses == expected[4:] and not whole.optimizer.adam.in_flight
     assert np.array_equal(resumed.optimizer.store.data, whole.optimizer.store.data)
     assert np.array_equal(resumed.optimizer.adam.momentum, whole.optimizer.adam.momentum)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(diloco_fragments=2), "--diloco-fragments set DiLoCo: give --diloco-replicas too"),
+    (dict(diloco_replicas=2, diloco_inner_steps=2, diloco_fragments=3), "must not exceed --diloco-inner-steps"),
+    (dict(diloco_replicas=2, diloco_inner_steps=2, diloco_overlap_steps=2), "must be below --diloco-inner-steps"),
+    (dict(diloco_replicas=2, diloco_merge_alpha=1.5), "must lie in \\[0, 1\\]"),
+    (dict(diloco_replicas=2, diloco_outer_dtype="fp4"), "unknown --diloco-outer-dtype")])
+def test_streaming_settings_are_checked_in_one_line(flags, message):
+    from numpitron.errors import UserError
+    with pytest.raises(UserError, match=message):
+        tiny_train(**flags)
+
+
+def test_the_settings_are_training_flags_and_file_keys():
+    """Declared in diloco/settings.py, they are TrainConfig's: flags and [training] keys."""
+    from numpitron.config import TrainConfig
+    from numpitron.config_fields import flags_of
+    keys = {flag.key for flag in flags_of(TrainConfig)}
+    assert {"diloco_replicas", "diloco_fragments", "diloco_overlap_steps", "diloco_outer_dtype"} <= keys
+    assert TrainConfig.SECTION == "training"
