@@ -11,7 +11,8 @@ each method (plain dp, int8 and PowerSGD r = 4 gradients, DiLoCo H in {10, 50, 2
 streaming DiLoCo with F = 5, τ = 2 of H = 50) it trains the default model to the same
 number of tokens and records: validation losses, the bytes host 0's link carried
 (its counters, against the formula's bytes from metrics.jsonl), the run's wall time,
-and the link's busiest rate (counters sampled every --sample seconds).
+and the link's busiest rate (counters sampled every --sample seconds), over one sample
+and over a window of one step's time.
 
 A curve's bytes are the link's total times the iteration's share of the run (each
 method's traffic repeats every round, so this is exact at round boundaries); its wall
@@ -70,9 +71,17 @@ class Sampler(threading.Thread):
             self.samples.append((time.perf_counter(), host_bytes(self.spec)))
             self.stop.wait(self.period)
 
-    def peak(self) -> float:
-        rates = [(b1 - b0) / (t1 - t0) for (t0, b0), (t1, b1) in zip(self.samples, self.samples[1:]) if t1 > t0]
-        return max(rates, default=0.0)
+    def peak(self, window: float) -> float:
+        """The most bytes the link carried in any `window` seconds, over `window`. On a
+        shaped link every exchange runs at the link's rate while it lasts, so the peak
+        demand shows over a window of about one step: there, DiLoCo's whole-stage exchange
+        and a streaming fragment differ by F until the link is the bottleneck."""
+        best, j = 0.0, 0
+        for i, (t1, b1) in enumerate(self.samples[1:], 1):
+            while j < i - 1 and self.samples[j + 1][0] <= t1 - window:    # the latest start a window back
+                j += 1
+            best = max(best, (b1 - self.samples[j][1]) / (t1 - self.samples[j][0]))
+        return best
 
 
 def train_once(name: str, flags: list, args, spec) -> dict:
@@ -100,7 +109,8 @@ def train_once(name: str, flags: list, args, spec) -> dict:
     counted = sum(r.get("comm_bytes", 0.0) for r in steps)        # rank 0's bytes, every group
     return {"method": name, "flags": flags, "wall_s": wall, "train_s": elapsed, "link_bytes": link,
             "rank0_comm_bytes": counted, "rank0_diloco_bytes": sum(r.get("diloco_bytes", 0) for r in steps),
-            "peak_link_bytes_per_s": sampler.peak(), "val": curve,
+            "peak_link_bytes_per_s": sampler.peak(args.sample),
+            "peak_link_bytes_per_step_window": sampler.peak(max(elapsed / args.iters, args.sample)), "val": curve,
             "final_val_loss": curve[-1]["val_loss"] if curve else None}
 
 
