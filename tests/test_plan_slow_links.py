@@ -77,3 +77,25 @@ def test_planned_compressed_gradient_bytes_equal_a_steps_counts(compression):
     loss = 8 if compression["grad_compression"] == "powersgd" else 0      # the loss is all-reduced too
     assert planned[next(k for k in planned if k.startswith("dp_cp.all_"))] == expected + loss
     assert_on_every_rank({"comm": (measured, planned)})
+
+
+def test_the_planned_step_hides_the_outer_exchange_behind_tau_steps():
+    """dp = 4 on two hosts of two, replicas across a slow inter-host link: DiLoCo's outer
+    all-reduce adds its amortised seconds to a step; streaming with τ = 2 hides what τ
+    steps of compute cover, down to plain training inside a replica when they cover it."""
+    from dataclasses import replace
+
+    from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
+    from numpitron.plan.devices import load_device
+    from numpitron.plan.predict import plan
+    cpu = replace(load_device("this-machine"), ranks_per_host=2, intra_bandwidth=1e9, inter_bandwidth=1e5,
+                  intra_latency=0.0, inter_latency=0.0, cores_per_node=0)
+    model, parallel = ModelConfig(n_layers=2), ParallelConfig()
+
+    def step(inter_bandwidth, **diloco):
+        train = TrainConfig(micro_batch_size=2, global_batch_size=8, diloco_replicas=2, diloco_inner_steps=10, **diloco)
+        return plan(model, parallel, train, (1, 1, 4, 1), replace(cpu, inter_bandwidth=inter_bandwidth))["step_s"]
+    free = step(1e30)
+    blocking, streamed = step(1e5), step(1e5, diloco_fragments=5, diloco_overlap_steps=2)
+    assert free < streamed < blocking
+    assert step(1e30, diloco_fragments=5, diloco_overlap_steps=2) == pytest.approx(free)
