@@ -135,7 +135,8 @@ def test_int8_under_zero_1_equals_int8_without_it():
     losses, _, params, plain = run(make_trainer(MODEL, TRAIN, data=2, grad_compression="int8"), 6)
     z_losses, _, z_params, zero = run(make_trainer(MODEL, TRAIN, data=2, zero_stage=1, grad_compression="int8"), 6)
     n = plain.optimizer.store.size
-    diffs = {"loss": rel_diff(z_losses, losses), "residual": rel_diff(zero.optimizer.residual[:n], plain.optimizer.residual),
+    diffs = {"loss": rel_diff(z_losses, losses),
+             "residual": rel_diff(zero.optimizer.residual[:n], plain.optimizer.residual),
              "params": 0.0 if params is None else max(rel_diff(z_params[k], params[k]) for k in params)}
     assert_close_on_every_rank(diffs, EQUIV_RTOL_FLOAT64)
     assert plain.optimizer.residual.any()

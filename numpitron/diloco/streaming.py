@@ -37,8 +37,9 @@ from numpitron.distributed.sharding import balanced_bounds
 class Streaming:
     def __init__(self, optimizers, across, cfg):
         self.optimizers, self.across = optimizers, across
-        self.inner_steps, self.overlap, self.count = cfg.diloco_inner_steps, cfg.diloco_overlap_steps, cfg.diloco_fragments
-        self.outer_lr, self.momentum, self.alpha = cfg.diloco_outer_lr, cfg.diloco_outer_momentum, cfg.diloco_merge_alpha
+        self.inner_steps, self.overlap = cfg.diloco_inner_steps, cfg.diloco_overlap_steps
+        self.count, self.outer_lr = cfg.diloco_fragments, cfg.diloco_outer_lr
+        self.momentum, self.alpha = cfg.diloco_outer_momentum, cfg.diloco_merge_alpha
         self.outer_dtype, self.last = cfg.diloco_outer_dtype, cfg.max_iters
         self.offsets = [p * self.inner_steps // self.count for p in range(self.count)]
         self.seen = 0               # the iteration the exchanges in flight belong to
