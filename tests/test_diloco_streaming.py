@@ -161,3 +161,28 @@ def test_the_settings_are_training_flags_and_file_keys():
     keys = {flag.key for flag in flags_of(TrainConfig)}
     assert {"diloco_replicas", "diloco_fragments", "diloco_overlap_steps", "diloco_outer_dtype"} <= keys
     assert TrainConfig.SECTION == "training"
+
+
+def test_a_streaming_run_cut_with_an_exchange_in_flight_resumes_from_the_command_line(data_dir, tmp_path):
+    """Two ranks, H = 4, F = 2, τ = 1, int8: the checkpoint of iteration 6 is taken just
+    after fragment 1 left; keeping only it, as if the run had stopped there, --resume
+    logs the losses of the uninterrupted run."""
+    import shutil
+
+    from tests.harness import logged_losses, train_script
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    flags = ["--data-parallel-size", "2", "--diloco-replicas", "2", "--diloco-inner-steps", "4", "--diloco-fragments",
+             "2", "--diloco-overlap-steps", "1", "--diloco-outer-dtype", "int8", "--max-iters", "10",
+             "--save-interval", "6", "--keep-checkpoints", "10"]
+    assert train_script(data_dir, full, *flags, nprocs=2).returncode == 0
+    assert train_script(data_dir, cut, *flags, nprocs=2).returncode == 0
+    replicas = sorted((cut / "checkpoints").glob("replica-*"))
+    assert len(replicas) == 2
+    for replica in replicas:
+        for checkpoint in replica.glob("iter_*"):
+            if checkpoint.name != "iter_000006":
+                shutil.rmtree(checkpoint)
+        (replica / "latest").unlink()
+    resumed = train_script(data_dir, cut, *flags, "--resume", nprocs=2)
+    assert resumed.returncode == 0, resumed.stderr
+    assert logged_losses(cut) == logged_losses(full)
