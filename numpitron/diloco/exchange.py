@@ -11,7 +11,7 @@
 int8 gathers rather than reduces for compression/int8.py's reason: each replica's
 integers mean something only with its own scales, which a sum would mix. Its scale
 is per chunk, not per parameter, because a fragment cuts parameters anywhere. The
-paper sends its outer gradients in 4-bit floats (Douillard et al. 2025, §2.4); we
+paper sends its outer gradients in 4-bit floats (Douillard et al. 2025); we
 stop at 8 bits. Nothing the rounding drops is carried to the next round: the paper
 keeps no residual either, and the outer momentum is the memory it has.
 

@@ -81,7 +81,7 @@ def apply_outer(theta, round_state: RoundState, a: int, b: int, delta: np.ndarra
     """The outer step on [a, b) of this rank's slice, given the replicas' mean Δ there
     (`delta`, consumed). alpha None: every replica takes the outer step's θ (DiLoCo);
     else it keeps alpha of its own θ, which moved on while Δ travelled (streaming
-    DiLoCo's merge, Douillard et al. 2025, §2.3)."""
+    DiLoCo's merge with its mixing factor, Douillard et al. 2025)."""
     start, m = round_state.start[a:b], round_state.momentum[a:b]
     if momentum:
         m *= momentum

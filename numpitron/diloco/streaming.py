@@ -1,7 +1,7 @@
 """Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping
-communication", Algorithm 2 and §2.3): the outer step of diloco/outer.py, taken one
-fragment of the parameters at a time, each fragment's exchange overlapped with the
-inner steps that follow it.
+communication"): the outer step of diloco/outer.py, taken one fragment of the
+parameters at a time, each fragment's exchange overlapped with the inner steps that
+follow it and merged with them by the paper's mixing factor.
 
 Fragments. The stage's flat buffer (every optimizer's store) is cut into F equal runs
 of elements, fragment p = [p S / F, (p + 1) S / F): consecutive blocks' parameters,
@@ -22,8 +22,9 @@ after the run's last iteration, whichever is first), from the fragment's θ_star
     θ_global = θ_start - η (Δ + μ m)                the outer step (diloco/outer.py)
     θ        = α θ + (1 - α) θ_global               the merge, α = --diloco-merge-alpha
 
-(τ = 0: θ = θ_global, plain DiLoCo.) The merge keeps α of the local progress of the
-τ steps Δ spent on the wire (the paper's mixing factor). θ_start becomes θ_global.
+(τ = 0: θ = θ_global, plain DiLoCo.) The merge keeps α of the replica's own θ, which
+moved on for the τ steps Δ spent on the wire (the paper's mixing factor; 0.5 is our
+default). θ_start becomes θ_global.
 
 After a load the exchanges in flight are rebuilt from the iteration: those that left
 at s in (i - τ, i], their means from the checkpoint (diloco/outer.py's `received`).
