@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from numpitron.diloco.exchange import CHUNK, int8_bytes, pack_int8, unpack_int8
+from numpitron.diloco.exchange import CHUNK, message_bytes, pack, unpack
 from numpitron.diloco.outer import held_slice
 from numpitron.distributed.sharding import balanced_bounds
 from numpitron.distributed.topology import Mesh, Topology
@@ -74,7 +74,7 @@ def test_one_replica_in_fragments_with_unit_outer_lr_is_plain_training(fragments
 
 
 @pytest.mark.parallel(nprocs=2)
-@pytest.mark.parametrize("outer_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("outer_dtype", ["fp32", "bf16", "int8", "int4"])
 def test_each_step_sends_one_fragment_in_the_formulas_bytes(outer_dtype):
     """F = 2 of H = 4: fragment 0 leaves after steps 4, 8, fragment 1 after 2, 6; each
     time 2 (R-1)/R · S/F · b (fp32), half that (bf16), or (R-1)(n + ⌈n/CHUNK⌉ b) (int8):
@@ -89,14 +89,14 @@ def test_each_step_sends_one_fragment_in_the_formulas_bytes(outer_dtype):
     sizes = [hi - lo for lo, hi in (balanced_bounds(store.size, 2, p) for p in range(2))]
     b = store.dtype.itemsize
     each = {"fp32": [n * b for n in sizes], "bf16": [n * 2 for n in sizes],
-            "int8": [int8_bytes(n, b) for n in sizes]}[outer_dtype]
+            "int8": [message_bytes(n, b) for n in sizes], "int4": [message_bytes(n, b, "int4") for n in sizes]}[outer_dtype]
     assert sent == [0, each[1], 0, each[0]] * 2
     if outer_dtype == "fp32":
         assert max(sent) * 2 <= store.size * b + b and sum(sent[:4]) == store.size * b
 
 
 @pytest.mark.parallel(nprocs=2)
-@pytest.mark.parametrize("outer_dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("outer_dtype", ["bf16", "int8", "int4"])
 def test_low_formats_change_the_run_by_their_rounding_only(outer_dtype):
     """bf16 and int8 pseudo-gradients move the parameters away from fp32's (the
     assertion could fail), by about the formats' relative precision."""
@@ -108,13 +108,15 @@ def test_low_formats_change_the_run_by_their_rounding_only(outer_dtype):
     assert moved > 1e-6
 
 
-def test_int8_packing_errs_by_half_a_step_of_its_chunk():
+@pytest.mark.parametrize("kind, levels", [("int8", 127), ("int4", 7)])
+def test_packing_errs_by_half_a_step_of_its_chunk(kind, levels):
     x = np.random.default_rng(0).standard_normal(2 * CHUNK + 5) * np.repeat([1e-3, 1.0, 10.0], [CHUNK, CHUNK, 5])
-    packed = pack_int8(x)
-    assert packed.size == int8_bytes(x.size, 8)
-    err = np.abs(unpack_int8(packed, x.size, x.dtype) - x)
+    packed = pack(x, kind)
+    assert packed.size == message_bytes(x.size, 8, kind)
+    err = np.abs(unpack(packed, x.size, x.dtype, kind) - x)
     for lo, hi in ((0, CHUNK), (CHUNK, 2 * CHUNK), (2 * CHUNK, x.size)):
-        assert err[lo:hi].max() <= np.abs(x[lo:hi]).max() / 127 / 2 * (1 + 1e-12)
+        assert err[lo:hi].max() <= np.abs(x[lo:hi]).max() / levels / 2 * (1 + 1e-12)
+        assert err[lo:hi].max() > np.abs(x[lo:hi]).max() / levels / 8       # it did round
 
 
 @pytest.mark.parallel(nprocs=2)

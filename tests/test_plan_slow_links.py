@@ -37,8 +37,9 @@ def test_planned_diloco_bytes_per_iteration_equal_a_rounds_counts(inner_steps):
 @pytest.mark.parallel(nprocs=2)
 @pytest.mark.parametrize("streaming", [dict(diloco_fragments=2, diloco_overlap_steps=1),
                                        dict(diloco_fragments=3, diloco_outer_dtype="bf16"),
-                                       dict(diloco_fragments=2, diloco_outer_dtype="int8")],
-                         ids=["fp32-tau1", "bf16", "int8"])
+                                       dict(diloco_fragments=2, diloco_outer_dtype="int8"),
+                                       dict(diloco_fragments=2, diloco_outer_dtype="int4", diloco_overlap_steps=3)],
+                         ids=["fp32-tau1", "bf16", "int8", "int4-tau3"])
 def test_planned_streaming_bytes_and_buffers_equal_a_runs(streaming):
     """A round of streaming DiLoCo (H = 4) moves what the planner says per iteration, in
     its outer dtype; its buffers (θ_start, momentum, and the mean in flight when τ > 0)

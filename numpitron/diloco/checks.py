@@ -7,7 +7,7 @@ from numpitron.errors import UserError
 
 OUTER = ("diloco_inner_steps", "diloco_outer_lr", "diloco_outer_momentum", "diloco_fragments",
          "diloco_overlap_steps", "diloco_merge_alpha", "diloco_outer_dtype")
-OUTER_DTYPES = ("fp32", "bf16", "int8")         # how the pseudo-gradients travel (diloco/exchange.py)
+OUTER_DTYPES = ("fp32", "bf16", "int8", "int4")         # how the pseudo-gradients travel (diloco/exchange.py)
 
 
 def check_diloco(cfg) -> None:

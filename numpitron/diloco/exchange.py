@@ -7,12 +7,14 @@
            16-bit sum on a device; the format mixed precision reduces gradients in)
     int8   an all-gather of int8 values with one   (R - 1) (n + ⌈n / CHUNK⌉ b)
            scale per chunk of CHUNK elements
+    int4   the same, two 4-bit values a byte       (R - 1) (⌈n / 2⌉ + ⌈n / CHUNK⌉ b)
 
 int8 gathers rather than reduces for compression/int8.py's reason: each replica's
 integers mean something only with its own scales, which a sum would mix. Its scale
 is per chunk, not per parameter, because a fragment cuts parameters anywhere. The
-paper sends its outer gradients in 4-bit floats (Douillard et al. 2025); we
-stop at 8 bits. Nothing the rounding drops is carried to the next round: the paper
+paper sends its outer gradients in 4-bit floats (Douillard et al. 2025); our int4
+is evenly spaced integers, q in [-7, 7] times the chunk's scale, a coarser grid near
+zero than a float's. Nothing the rounding drops is carried to the next round: the paper
 keeps no residual either, and the outer momentum is the memory it has.
 
 A non-blocking exchange (τ > 0) is a `Pending` collective that `settle` completes:
@@ -23,6 +25,7 @@ import ml_dtypes
 import numpy as np
 
 CHUNK = 4096
+LEVELS = {"int8": 127, "int4": 7}          # the largest |q|: symmetric, so 0 is exact
 WIRES = {"fp32": None, "bf16": np.dtype(ml_dtypes.bfloat16)}
 
 
@@ -51,15 +54,15 @@ def send(exchange: Exchange, delta: np.ndarray, outer_dtype: str, blocking: bool
     """Start averaging `delta` (this rank's Δ on [a, b), a buffer of its own) over the
     replicas; blocking: complete it now (τ = 0: the plain DiLoCo all-reduce)."""
     comm, replicas = exchange.comm, exchange.comm.size
-    if outer_dtype == "int8":
-        packed = pack_int8(delta)
+    if outer_dtype in LEVELS:
+        packed = pack(delta, outer_dtype)
         gathered = np.empty(replicas * packed.size, np.uint8)
         exchange.pending = comm.iall_gather(packed, gathered, [packed.size] * replicas)
 
         def finish():
             total = np.zeros_like(delta)
             for k in range(replicas):
-                total += unpack_int8(gathered[k * packed.size:(k + 1) * packed.size], delta.size, delta.dtype)
+                total += unpack(gathered[k * packed.size:(k + 1) * packed.size], delta.size, delta.dtype, outer_dtype)
             return total * (1.0 / replicas)
     else:
         wire = WIRES[outer_dtype]
@@ -77,23 +80,35 @@ def send(exchange: Exchange, delta: np.ndarray, outer_dtype: str, blocking: bool
     return exchange
 
 
-def pack_int8(x: np.ndarray) -> np.ndarray:
-    """x as bytes: int8 values q = round(x / s), then each chunk's scale s = max|x| / 127
-    in x's dtype (b bytes each)."""
+def pack(x: np.ndarray, dtype: str = "int8") -> np.ndarray:
+    """x as bytes: integers q = round(x / s) in [-L, L], then each chunk's scale
+    s = max|x| / L in x's dtype (b bytes each); int4 packs two q + 8 into a byte."""
+    top_level = LEVELS[dtype]
     chunks = -(-x.size // CHUNK)
     padded = np.zeros(chunks * CHUNK, x.dtype)
     padded[:x.size] = x
     top = np.abs(padded.reshape(chunks, CHUNK)).max(axis=1)
-    scales = np.where(top > 0, top / 127, 1.0).astype(x.dtype)
-    q = np.clip(np.rint(padded.reshape(chunks, CHUNK) / scales[:, None]), -127, 127).astype(np.int8)
-    return np.concatenate([q.ravel()[:x.size].view(np.uint8), scales.view(np.uint8)])
+    scales = np.where(top > 0, top / top_level, 1.0).astype(x.dtype)
+    q = np.clip(np.rint(padded.reshape(chunks, CHUNK) / scales[:, None]), -top_level, top_level).astype(np.int8)
+    q = q.ravel()[:x.size]
+    if dtype == "int4":
+        nibbles = np.zeros(2 * -(-x.size // 2), np.uint8)
+        nibbles[:x.size] = q + 8
+        q = nibbles[0::2] | (nibbles[1::2] << 4)
+    return np.concatenate([q.view(np.uint8), scales.view(np.uint8)])
 
 
-def unpack_int8(packed: np.ndarray, n: int, dtype) -> np.ndarray:
-    q, scales = packed[:n].view(np.int8), packed[n:].view(dtype)
-    return q * np.repeat(scales, CHUNK)[:n]
+def unpack(packed: np.ndarray, n: int, dtype, kind: str = "int8") -> np.ndarray:
+    size = message_bytes(n, 0, kind)
+    if kind == "int4":
+        q = np.empty(2 * size, np.int8)
+        q[0::2], q[1::2] = packed[:size] & 15, packed[:size] >> 4
+        q = q[:n] - 8
+    else:
+        q = packed[:n].view(np.int8)
+    return q * np.repeat(packed[size:].view(dtype), CHUNK)[:n]
 
 
-def int8_bytes(n: int, itemsize: int) -> int:
-    """One replica's message for a fragment piece of n elements."""
-    return n + -(-n // CHUNK) * itemsize
+def message_bytes(n: int, itemsize: int, kind: str = "int8") -> int:
+    """One replica's message for a fragment piece of n elements: its values, its scales."""
+    return (n if kind == "int8" else -(-n // 2)) + -(-n // CHUNK) * itemsize

@@ -24,5 +24,5 @@ class DilocoSettings:
                                            "steps and lands after them (tau < H)")
     diloco_merge_alpha: float = setting(0.5, "streaming DiLoCo, tau > 0: a landed fragment becomes alpha x its local "
                                              "value + (1 - alpha) x the outer step's")
-    diloco_outer_dtype: str = setting("fp32", "DiLoCo: the pseudo-gradients travel in fp32, bf16 or int8 (a scale "
-                                              "per chunk)", choices=OUTER_DTYPES)
+    diloco_outer_dtype: str = setting("fp32", "DiLoCo: the pseudo-gradients travel in fp32, bf16, int8 or int4 "
+                                              "(a scale per chunk)", choices=OUTER_DTYPES)

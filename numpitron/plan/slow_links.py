@@ -18,7 +18,7 @@ import math
 from dataclasses import replace
 from functools import cache
 
-from numpitron.diloco.exchange import int8_bytes
+from numpitron.diloco.exchange import LEVELS, message_bytes
 from numpitron.distributed.sharding import balanced_bounds, pad_to_multiple
 from numpitron.distributed.topology import Topology
 from numpitron.nn.embedding import PositionEmbedding
@@ -48,8 +48,8 @@ def outer_exchange(model, train, padded: int, lo: int, hi: int) -> tuple[str, fl
     R, F, dtype = train.diloco_replicas, train.diloco_fragments, train.diloco_outer_dtype
     pieces = [min(b, hi) - max(a, lo) for a, b in (balanced_bounds(padded, F, p) for p in range(F))]
     pieces = [n for n in pieces if n > 0]
-    if dtype == "int8":
-        return "diloco.all_gather", (R - 1) * sum(int8_bytes(n, model.itemsize) for n in pieces), len(pieces)
+    if dtype in LEVELS:
+        return "diloco.all_gather", (R - 1) * sum(message_bytes(n, model.itemsize, dtype) for n in pieces), len(pieces)
     item = 2 if dtype == "bf16" else model.itemsize
     return "diloco.all_reduce", sum(all_reduce_bytes(n * item, R) for n in pieces), len(pieces)
 
