@@ -4,7 +4,7 @@ stage: data_parallel/distributed_optimizer.py is their interface), and the train
 them (the number format, FP8, the experts' statistics). Every entry point builds here, so that the model
 (model.py) and the step (trainer.py) never need to know the features that wrap them."""
 
-from numpitron.compression.optimizer import CompressedDataParallelOptimizer
+from numpitron.compression.optimizer import CompressedDataParallelOptimizer, CompressedZeroOneOptimizer
 from numpitron.data_parallel.buckets import DataParallelOptimizer, HierarchicalDataParallelOptimizer
 from numpitron.data_parallel.distributed_optimizer import GradientGroup
 from numpitron.data_parallel.zero import ZeroOneOptimizer, ZeroTwoOptimizer
@@ -40,8 +40,8 @@ def make_optimizer(store, topo, train_cfg, parallel_cfg, group: GradientGroup | 
     chosen = OPTIMIZERS[parallel_cfg.zero_stage if zero_stage is None else zero_stage]
     if parallel_cfg.hierarchical_all_reduce:         # plain dp only (config.py)
         chosen = HierarchicalDataParallelOptimizer
-    if parallel_cfg.grad_compression != "none":       # plain dp only (compression/checks.py)
-        chosen = CompressedDataParallelOptimizer
+    if parallel_cfg.grad_compression != "none":       # ZeRO-0 or 1, fp32 (compression/checks.py)
+        chosen = CompressedZeroOneOptimizer if chosen is ZeroOneOptimizer else CompressedDataParallelOptimizer
     optimizer = chosen(store, topo, train_cfg, parallel_cfg, group, precision=optimizer_format(train_cfg))
     if train_cfg.optimizer == "muon":
         use_muon(optimizer, topo, train_cfg)

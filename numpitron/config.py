@@ -14,6 +14,7 @@ import numpy as np
 
 from numpitron.compression.checks import COMPRESSIONS
 from numpitron.diloco.checks import check_diloco
+from numpitron.diloco.settings import DilocoSettings
 from numpitron.config_fields import as_flag, finite, integers, non_negative, positive, setting
 from numpitron.errors import UserError
 from numpitron.pipeline_parallel.schedules import (INTERLEAVED, ONE_F_ONE_B, SCHEDULES, SPLIT_BACKWARD,  # noqa: F401
@@ -167,7 +168,7 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(DilocoSettings):       # DiLoCo's flags: diloco/settings.py
     SECTION: ClassVar[str] = "training"
 
     micro_batch_size: int = setting(12)
@@ -203,13 +204,6 @@ class TrainConfig:
                                       "momentum", choices=OPTIMIZERS)       # muon/muon.py, optim/sgd.py
     muon_lr: float = setting(0.0, "Muon's peak learning rate (0: --lr)")   # scaled to AdamW's RMS
     muon_momentum: float = setting(0.95)
-    # DiLoCo (diloco/, docs/18-across-slow-links.md); 0 replicas: off.
-    diloco_replicas: int = setting(0, "DiLoCo: the dp ranks split into R replicas (R divides dp) that exchange "
-                                      "nothing for --diloco-inner-steps steps, then average how far they moved "
-                                      "(0: off)")
-    diloco_inner_steps: int = setting(100, "DiLoCo: inner steps per round (H)")
-    diloco_outer_lr: float = setting(0.7, "DiLoCo: the outer step's learning rate")
-    diloco_outer_momentum: float = setting(0.9, "DiLoCo: the outer step's Nesterov momentum")
 
     def __post_init__(self):
         # A checkpoint's JSON gives a list back; a tuple keeps the config hashable.

@@ -69,9 +69,10 @@ def setting(default, help=None, *, choices=None, flag=None, unset=False, count=N
 
 @functools.cache
 def flags_of(cls) -> tuple[Flag, ...]:
-    """The flags `cls` declares, in field order: their order in --help and in a written file."""
-    hints, flags = typing.get_type_hints(cls), []
-    for field in dataclasses.fields(cls):
+    """The flags `cls` declares, in field order, its own before a mixin's (TrainConfig's, then
+    DiLoCo's: diloco/settings.py): their order in --help and in a written file."""
+    hints, flags, own = typing.get_type_hints(cls), [], set(vars(cls).get("__annotations__", {}))
+    for field in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):     # stable
         spec = field.metadata.get("setting")
         if spec is None:                          # a plain field: no flag
             continue

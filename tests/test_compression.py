@@ -120,7 +120,29 @@ def test_residuals_resume_bit_for_bit_on_the_same_mesh_only(method, shared_dir):
         load_checkpoint(path, make_trainer(MODEL, TRAIN, tensor=2, **options))
 
 
-@pytest.mark.parametrize("flags", [dict(zero_stage=1), dict(hierarchical_all_reduce=True, data_shard=1)])
+@pytest.mark.parallel(nprocs=2)
+def test_powersgd_at_full_rank_under_zero_1_is_plain_data_parallelism():
+    """ZeRO-1 holds the whole gradient until it reduces: the compressed mean replaces its
+    reduce-scatter and each rank keeps its slice of it."""
+    same_as_plain_dp(make_trainer(MODEL, TRAIN, data=2, zero_stage=1, grad_compression="powersgd",
+                                  powersgd_rank=10_000))
+
+
+@pytest.mark.parallel(nprocs=2)
+def test_int8_under_zero_1_equals_int8_without_it():
+    """The same compressed means (ZeRO's padding is one more piece, all zeros), applied
+    slice by slice: losses and parameters to 1e-10, and the residual is the same."""
+    losses, _, params, plain = run(make_trainer(MODEL, TRAIN, data=2, grad_compression="int8"), 6)
+    z_losses, _, z_params, zero = run(make_trainer(MODEL, TRAIN, data=2, zero_stage=1, grad_compression="int8"), 6)
+    n = plain.optimizer.store.size
+    diffs = {"loss": rel_diff(z_losses, losses),
+             "residual": rel_diff(zero.optimizer.residual[:n], plain.optimizer.residual),
+             "params": 0.0 if params is None else max(rel_diff(z_params[k], params[k]) for k in params)}
+    assert_close_on_every_rank(diffs, EQUIV_RTOL_FLOAT64)
+    assert plain.optimizer.residual.any()
+
+
+@pytest.mark.parametrize("flags", [dict(zero_stage=2), dict(hierarchical_all_reduce=True, data_shard=1)])
 def test_other_data_parallel_optimizers_are_refused(flags):
-    with pytest.raises(UserError, match="plain data parallelism"):
+    with pytest.raises(UserError, match="data parallelism in fp32"):
         make_trainer(MODEL, TRAIN, grad_compression="int8", **flags)

@@ -66,21 +66,31 @@ def test_one_replica_with_unit_outer_lr_and_no_momentum_is_plain_training(optimi
 
 
 @pytest.mark.parallel(nprocs=4)
-@pytest.mark.parametrize("inner", [dict(tp=2), dict(zero_stage=1), dict(zero_stage=3)], ids=["tp2", "zero1", "zero3"])
+@pytest.mark.parametrize("inner", [dict(tp=2), dict(zero_stage=1), dict(zero_stage=3), dict(zero_stage=1, dp_shard=1),
+                                   dict(zero_stage=1, diloco_fragments=2, diloco_overlap_steps=1)],
+                         ids=["tp2", "zero1", "zero3", "hsdp", "zero1-streaming"])
 def test_a_replica_that_is_a_mesh_trains_like_one_process_per_replica(inner):
-    """Two replicas of two ranks each (tp = 2, or dp = 2 with ZeRO) against two replicas
+    """Two replicas of two ranks each (tp = 2, or dp = 2 with ZeRO, or HSDP with shards of
+    one rank and two copies) against two replicas
     of one process each (run twice, on ranks 0-1 and 2-3), through three rounds of H = 2
-    with AdamW inside and Nesterov outside: losses and every parameter."""
-    train = tiny_train(diloco_replicas=2, diloco_inner_steps=2, diloco_outer_lr=0.7, diloco_outer_momentum=0.9)
+    with AdamW inside and Nesterov outside: losses and every parameter. Streaming: each
+        ZeRO slice's piece of a fragment travels on its own, and lands a step later,
+    merged with each replica's own progress (so the replicas differ: compared on rank 0)."""
+    streaming = {k: inner.pop(k) for k in ("diloco_fragments", "diloco_overlap_steps") if k in inner}
+    train = tiny_train(diloco_replicas=2, diloco_inner_steps=2, diloco_outer_lr=0.7, diloco_outer_momentum=0.9,
+                       **streaming)
     tp = inner.pop("tp", 1)
-    losses, _, params, _ = run(diloco_trainer(train, Mesh(tp, 1, 4 // tp), **inner), 6)
+    shard = inner.pop("dp_shard", 0)
+    losses, _, params, _ = run(diloco_trainer(train, Mesh(tp, 1, 4 // tp, dp_shard=shard), **inner), 6)
     world = MPI.COMM_WORLD
     halves = world.Split(world.rank // 2, world.rank)
     ref_losses, _, ref_params, _ = run(diloco_trainer(train, Mesh(1, 1, 2), world=halves), 6)
     # Compared on world ranks 0 and 2: the first rank of a replica of each run (after a
-    # round every replica holds the same parameters).
+    # round every replica holds the same parameters; streaming's merge keeps each
+    # replica's own progress, so there only rank 0, replica 0 in both runs).
+    compared = (0,) if streaming else (0, 2)
     assert_close_on_every_rank({"loss": rel_diff(losses, ref_losses),
-                                "params": param_diff(params, ref_params) if world.rank % 2 == 0 else 0.0},
+                                "params": param_diff(params, ref_params) if world.rank in compared else 0.0},
                                EQUIV_RTOL_FLOAT64)
 
 

@@ -15,12 +15,12 @@ def check_compression(model, train, parallel) -> None:
         raise UserError(f"--powersgd-rank must be a positive integer, got {parallel.powersgd_rank!r}")
     if method == "none":
         return
-    refused = [(parallel.zero_stage, f"--zero-stage {parallel.zero_stage}"),
+    refused = [(parallel.zero_stage > 1, f"--zero-stage {parallel.zero_stage}"),
                (parallel.hierarchical_all_reduce, "--hierarchical-all-reduce"),
                (model.num_experts, "--num-experts"),
                (train is not None and train.precision != "fp32", f"--precision {train and train.precision}"),
                (train is not None and train.diloco_replicas, "--diloco-replicas")]
     for on, flag in refused:
         if on:
-            raise UserError(f"--grad-compression {method} is built for plain data parallelism in fp32 (ZeRO stage "
-                            f"0, dense, no DiLoCo): not with {flag}")
+            raise UserError(f"--grad-compression {method} is built for data parallelism in fp32 (ZeRO stage "
+                            f"0 or 1, dense, no DiLoCo): not with {flag}")

@@ -1,32 +1,35 @@
 """DiLoCo around the training step (trainer.py's `StepFeature`): nothing changes inside
 a replica's step; after every H-th step the replicas take the outer step together
-(diloco/outer.py), and the step's loss and an evaluation's are averaged over them.
+(diloco/outer.py; fragment by fragment, staggered and overlapped, with streaming
+DiLoCo: diloco/streaming.py), and the step's loss and an evaluation's are averaged
+over them.
 
 Each replica reads its own rows of every global batch (`readers`): the R replicas'
 dp/R ranks are R x dp/R = dp readers, so a step sees the global batch's tokens, the
 same ones plain data parallelism sees, whatever R. `diloco_bytes` in a step's metrics
 is what this rank sent to the other replicas in that step: nothing for H - 1 steps,
-then 2 (R-1)/R of its slice (an all-reduce); `diloco_metrics` counts the few bytes of
-the averaged loss apart.
+then 2 (R-1)/R of its slice (an all-reduce; with F fragments, 2 (R-1)/R of a fragment
+when one leaves, in the format of diloco/exchange.py); `diloco_metrics` counts the few
+bytes of the averaged loss apart.
 """
 
 import numpy as np
 
 from numpitron.distributed.comm import Comm
-from numpitron.diloco.outer import RoundState, held_slice, outer_step
+from numpitron.diloco.outer import RoundState, held_slice
 from numpitron.diloco.replicas import replicas_of
+from numpitron.diloco.streaming import Streaming
 from numpitron.trainer import Readers, StepFeature
 
 
 class DiLoCo(StepFeature):
     def __init__(self, topo, optimizers, train_cfg):
         self.replicas = replicas_of(topo)
-        self.inner_steps = train_cfg.diloco_inner_steps
-        self.outer_lr, self.momentum = train_cfg.diloco_outer_lr, train_cfg.diloco_outer_momentum
-        self.optimizers = optimizers
+        overlap = train_cfg.diloco_overlap_steps > 0
         for optimizer in optimizers:       # θ_start: the parameters every replica starts from
-            optimizer.use_rule(RoundState(optimizer.adam, held_slice(optimizer)))
+            optimizer.use_rule(RoundState(optimizer.adam, held_slice(optimizer), overlap))
         across = self.replicas.comm
+        self.streaming = Streaming(optimizers, across, train_cfg)
         self.metrics_comm = Comm(across.mpi, topo.stats, "diloco_metrics", across.watchdog)
         self.stats = topo.stats
 
@@ -35,9 +38,7 @@ class DiLoCo(StepFeature):
         return Readers(self.replicas.count * topo.dp, self.replicas.index * topo.dp + topo.dp_rank)
 
     def end_step(self, trainer, out: dict) -> None:
-        if trainer.iteration % self.inner_steps == 0:      # the round's last inner step
-            for optimizer in self.optimizers:
-                outer_step(optimizer, optimizer.adam, self.replicas.comm, self.outer_lr, self.momentum)
+        self.streaming.end_step(trainer.iteration)      # the fragments due leave; those due land
         out["train_loss"] = self.mean(out["train_loss"])
         out["diloco_bytes"] = sum(n for name, n in self.stats.bytes.items() if name.startswith("diloco."))
 

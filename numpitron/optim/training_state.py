@@ -5,8 +5,8 @@ A checkpoint holds three flat buffers, each laid out like the store's parameters
 (`ParamStore`): the parameters and Adam's two moments (`FLAT_BUFFERS`); with Muon a
 fourth, its momentum (`MUON_BUFFER`, zero where AdamW updates, as Adam's moments are
 zero on Muon's matrices: muon/muon.py); with plain SGD (optim/sgd.py) only the first;
-a DiLoCo run's add its round's start and outer momentum (`DILOCO_BUFFERS`). A *range* is a half-open [lo, hi) of that
-layout. The optimizer keeps each buffer on one range: the moments on the slice [lo, hi)
+a DiLoCo run's add its round's start, outer momentum and what is in flight
+(`DILOCO_BUFFERS`). A *range* is a half-open [lo, hi) of that layout. The optimizer keeps each buffer on one range: the moments on the slice [lo, hi)
 it updates, the parameters on the whole stage (every replica holds them) or, under
 ZeRO-3, on the same slice. `buffers` names the ones this optimizer keeps.
 
@@ -25,7 +25,8 @@ from numpitron.distributed.sharding import balanced_bounds
 
 FLAT_BUFFERS = ("params", "adam_m", "adam_v")
 MUON_BUFFER = "muon_m"
-DILOCO_BUFFERS = ("diloco_start", "diloco_momentum")  # DiLoCo's θ_start and outer momentum (diloco/outer.py)
+# DiLoCo's θ_start, outer momentum and the mean Δ of fragments in flight (diloco/outer.py)
+DILOCO_BUFFERS = ("diloco_start", "diloco_momentum", "diloco_received")
 KNOWN_BUFFERS = FLAT_BUFFERS + (MUON_BUFFER,) + DILOCO_BUFFERS  # every kind a checkpoint may hold
 
 

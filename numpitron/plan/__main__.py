@@ -134,8 +134,9 @@ def report(result: dict) -> str:
              + (f" ({result['time_sharing']:g} ranks per core)" if result["time_sharing"] > 1 else "")
              + (f", at the slowest rank's pace x{result['pace']:.2f}" if result["pace"] != 1 else "")]
     if any(kind.startswith("diloco.") for kind in result["stages"][0]["comm_bytes"]):
-        lines.append("DiLoCo: inside a replica, the traffic of dp / R ranks; the outer all-reduce "
-                     "(diloco) comes once a round and is shown divided by its inner steps")
+        lines.append("DiLoCo: inside a replica, the traffic of dp / R ranks; the outer exchange "
+                     "(diloco) comes once a round (F times, a fragment each, streaming) and is shown divided by "
+                     "its inner steps; its τ overlap steps hide it")
     if result["parameters"]["active_per_token"] != result["parameters"]["total"]:
         lines.append("experts: rows per expert planned for balanced routing (exact when a capacity is "
                      "filled by every expert; dropless, the real rows follow the router)")
@@ -143,7 +144,8 @@ def report(result: dict) -> str:
         t = s["time_s"]
         lines.append(f"  stage {s['stage']}: params {s['params'] / 2**20:.1f} MiB, grads {s['grads'] / 2**20:.1f} MiB, "
                      f"optimizer {s['optimizer_state'] / 2**20:.1f} MiB, "
-                     f"in-pass {(s['gathered_params_peak'] + s['backward_grads_peak']) / 2**20:.1f} MiB, "
+                     + (f"DiLoCo {s['diloco'] / 2**20:.1f} MiB, " if "diloco" in s else "")
+                     + f"in-pass {(s['gathered_params_peak'] + s['backward_grads_peak']) / 2**20:.1f} MiB, "
                      f"activations {s['activations_peak'] / 2**20:.1f} MiB (peak total {s['total_peak'] / 2**20:.1f} MiB)")
         if "newton_schulz" in s:
             ns = s["newton_schulz"]

@@ -59,6 +59,7 @@ from numpitron.plan.links import (expert_size, groups_across_hosts, link_parts, 
                                   pipeline_transfer_time, point_to_point_time)
 from numpitron.plan.kernels import Work, block_work, embedding_work, head_work, optimizer_work
 from numpitron.plan.muon_cost import muon_cost, newton_schulz_work
+from numpitron.plan.slow_links import diloco_state_bytes, hidden_outer_seconds
 
 
 def plan(model, parallel, train, mesh, device) -> dict:
@@ -86,7 +87,8 @@ def plan(model, parallel, train, mesh, device) -> dict:
     placement = placement_of(parallel.schedule, pp, parallel.virtual_stages)
     for stage in range(pp):
         rank = Rank(tp, pp, dp, cp, stage, cp_rank=cp - 1, dp_shard=S, placement=placement, ep=ep)  # the ring's busiest
-        state = state_bytes(model, parallel, rank, train.optimizer, train.precision)
+        state = {**state_bytes(model, parallel, rank, train.optimizer, train.precision),
+                 **diloco_state_bytes(model, parallel, train, rank)}         # θ_start, outer momentum: slow_links.py
         muon = muon_cost(model, parallel, rank) if train.optimizer == "muon" else {"comm_bytes": {}, "busiest_shapes": []}
         if on_paper:                                              # mixed precision on paper
             params = state["params"] // model.itemsize
@@ -138,6 +140,8 @@ def plan(model, parallel, train, mesh, device) -> dict:
         # during the last micro-batch's backward (two thirds of its compute).
         exposed_dp = max(dp_time / buckets, dp_time - 2 / 3 * sum(per_mb.values())) if overlapped else dp_time
         exposed_dp += sum(t_muon_comm.values())
+        exposed_dp -= hidden_outer_seconds(train, sum(t for kind, t in t_comm.items() if kind.startswith("diloco.")),
+                                           m * sum(per_mb.values()))           # streaming DiLoCo's τ steps
         if share > 1:                      # each blocking collective waits for a peer to be scheduled
             per_mb_syncs, step_syncs = sync_points(model, parallel, rank)
             exposed_per_mb += per_mb_syncs * device.time_sharing_wait / stretch

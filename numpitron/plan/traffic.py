@@ -90,8 +90,10 @@ def comm_traffic(model, parallel, train, rank: Rank) -> dict:
     elements, group, replicas = parameter_elements(model, rank)[0], rank.shard_group, rank.replicas
     padded, sharded = pad_to_multiple(elements, group), parallel.zero_stage or parallel.hierarchical_all_reduce
     buckets = gradient_buckets(model, rank, parallel.bucket_size, padded - elements if sharded else 0)
-    if getattr(parallel, "grad_compression", "none") != "none":
-        add(*compressed_traffic(model, parallel, rank, grad_item))
+    if getattr(parallel, "grad_compression", "none") != "none":    # ZeRO-1: its padding travels, its gather stays
+        add(*compressed_traffic(model, parallel, rank, grad_item, padded - elements if sharded else 0))
+        if parallel.zero_stage == 1:
+            add("dp_shard.all_gather", _half(padded * param_item, group))
     elif parallel.zero_stage == 0 and not parallel.hierarchical_all_reduce:
         add("dp_cp.all_reduce", _all_reduce(elements * grad_item, rank.dp * cp), buckets)
     elif parallel.zero_stage in (0, 1, 2):          # the two halves of one all-reduce inside the shard group
