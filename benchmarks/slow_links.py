@@ -1,4 +1,4 @@
-"""Training across a slow link, measured on the simulated cluster (docs/17-across-slow-links.md).
+"""Training across a slow link, measured on the simulated cluster (docs/18-across-slow-links.md).
 Needs root (network namespaces).
 
     python benchmarks/slow_links.py                                   # the full sweep

@@ -1,4 +1,4 @@
-"""Streaming DiLoCo (diloco/streaming.py, docs/17-across-slow-links.md) in float64: held
+"""Streaming DiLoCo (diloco/streaming.py, docs/18-across-slow-links.md) in float64: held
 to a reference that takes the outer steps by hand over two one-process replicas (so
 F = 1, τ = 0 is DiLoCo), to plain training with one replica, to the bytes of the book's
 formula per step, and resumed bit for bit with an exchange in flight."""

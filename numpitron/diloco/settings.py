@@ -10,7 +10,7 @@ from numpitron.diloco.checks import OUTER_DTYPES
 
 @dataclass(frozen=True)
 class DilocoSettings:
-    # DiLoCo (diloco/, docs/17-across-slow-links.md); 0 replicas: off.
+    # DiLoCo (diloco/, docs/18-across-slow-links.md); 0 replicas: off.
     diloco_replicas: int = setting(0, "DiLoCo: the dp ranks split into R replicas (R divides dp) that exchange "
                                       "nothing for --diloco-inner-steps steps, then average how far they moved "
                                       "(0: off)")
