@@ -94,7 +94,7 @@ class Mkl:
         target = out
         if out is None:
             target = np.empty(shape, a.dtype)
-        elif not _writable_in_place(out) or np.may_share_memory(out, a) or np.may_share_memory(out, b):
+        elif np.may_share_memory(out, a) or np.may_share_memory(out, b) or not _writable_in_place(out):
             target = np.empty(shape, a.dtype)
             if beta:
                 target[...] = out
@@ -127,6 +127,8 @@ def _numpy_gemm(a, b, out, beta):
 def _batch_stride(x: np.ndarray) -> int | None:
     """Elements between consecutive matrices of a stack whose leading axes flatten to one
     equally spaced axis; 0 for a single matrix; None when they do not."""
+    if x.ndim == 2:                     # a linear layer's operands: most calls, kept cheap
+        return 0
     lead = [(n, s) for n, s in zip(x.shape[:-2], x.strides[:-2]) if n > 1]
     if not lead:
         return 0
