@@ -110,7 +110,7 @@ def main():
                  "--max-wait", "0", "--blas", *args.blas]
         session["default"] = run(pairs + ["--pairs", "--configs", "default", "--iters", "2" if args.smoke else "30", "--out",
                                           str(out["default"])], out["default"])
-        session["nanogpt"] = run(pairs + ["--one-core", "--configs", "nanogpt", "--iters", "2" if args.smoke else "15", "--out",
+        session["nanogpt"] = run(pairs + ["--one-core", "--configs", "nanogpt", "--iters", "2" if args.smoke else "12", "--out",
                                           str(out["nanogpt"])], out["nanogpt"])
     session.update(load_1min_after=round(os.getloadavg()[0], 2), minutes=round((time.time() - started) / 60, 1))
     session["against_the_goals"] = goals(session)
