@@ -37,6 +37,8 @@ from numpitron.config import ModelConfig  # noqa: E402
 from numpitron.optim.memory_report import memory_bytes  # noqa: E402
 from numpitron.pipeline_parallel.schedules import closed_form_bubble  # noqa: E402
 from numpitron import build  # noqa: E402
+from numpitron.blas.products import gemm_of  # noqa: E402
+from numpitron.blas.setting import BlasSetting  # noqa: E402
 
 VOCAB, N_TOKENS = 65, 200_000
 
@@ -88,17 +90,18 @@ class HostLinks:
                 "host_link_payload_bytes_per_iter": [round((n - FRAME_HEADER_BYTES * f) / steps) for n, f in sent]}
 
 
-def sgemm_gflops(m: int, k: int, n: int, dtype, reps: int) -> float:
+def sgemm_gflops(m: int, k: int, n: int, dtype, reps: int, matmul=np.matmul) -> float:
     """Median GFLOP/s of (m, k) @ (k, n) on this rank's BLAS thread(s), with `out=`
-    (sgemm in float32, dgemm with --dtype float64: the peak is in the training dtype)."""
+    (sgemm in float32, dgemm with --dtype float64: the peak is in the training dtype),
+    by the BLAS the run's products take (--blas: its own ceiling, blas/products.py)."""
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
     out = np.empty((m, n), dtype)
-    np.matmul(a, b, out=out)                                   # warm the caches and BLAS
+    matmul(a, b, out=out)                                      # warm the caches and BLAS
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        np.matmul(a, b, out=out)
+        matmul(a, b, out=out)
         times.append(time.perf_counter() - start)
     return 2 * m * k * n / np.median(times) / 1e9
 
@@ -174,10 +177,13 @@ def main():
     loadavg, baseline_rss_kb = os.getloadavg()[0], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # The peak: all ranks at once on their own thread. 768 x 128 @ 128 x 512 is the
     # default model's MLP up-projection (N = B*T = 768); 1024^3 is the BLAS ceiling.
+    blas = BlasSetting(args.blas)
+    blas.check_blas()
+    matmul = gemm_of(blas.resolved_blas())
     world.Barrier()
-    gflops_small = sgemm_gflops(768, 128, 512, np.dtype(args.dtype), reps=50)
+    gflops_small = sgemm_gflops(768, 128, 512, np.dtype(args.dtype), reps=50, matmul=matmul)
     world.Barrier()
-    gflops_large = sgemm_gflops(1024, 1024, 1024, np.dtype(args.dtype), reps=20)
+    gflops_large = sgemm_gflops(1024, 1024, 1024, np.dtype(args.dtype), reps=20, matmul=matmul)
     gemm = world.gather((gflops_small, gflops_large), root=0)
 
     trainer = trainer_from_args(args)
@@ -215,6 +221,7 @@ def main():
         "model": {"n_layers": args.n_layers, "n_heads": args.n_heads, "d_model": args.d_model,
                   "seq_len": args.seq_len, "vocab": VOCAB, "flops_params": n_params,
                   "num_experts": args.num_experts, "moe_top_k": args.moe_top_k},
+        "blas": trainer.blas,           # which library and kernel ran the products (blas/products.py)
         "dtype": args.dtype, "iters": args.iters, "glibc_malloc_defaults": args.glibc_malloc_defaults,
         "env": {v: os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "MPIR_CVAR_ENABLE_HEAVY_YIELD")},
         # On a shared machine another job's load skews every figure: record it.

@@ -28,6 +28,7 @@ default erf form; both train the same FLOPs per token. Prints one JSON object.
 import argparse
 import json
 import math
+import re
 import resource
 import time
 
@@ -127,6 +128,56 @@ def adamw(model, torch, lr: float, weight_decay: float, betas: tuple[float, floa
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
 
 
+class Together:
+    """Several torch optimizers stepped as one: Muon's on the hidden matrices, AdamW's on the rest."""
+
+    def __init__(self, *optimizers):
+        self.optimizers = optimizers
+        self.param_groups = [group for opt in optimizers for group in opt.param_groups]
+
+    def step(self):
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+def muon_and_adamw(model, torch, lr: float, weight_decay: float, betas: tuple[float, float], momentum: float = 0.95):
+    """numpitron's --optimizer muon (numpitron/muon/muon.py) in torch.optim: Muon with
+    Nesterov momentum, five Newton-Schulz steps and the update scaled to AdamW's RMS,
+    0.2 sqrt(max(A, B)) ("match_rms_adamw", Liu et al. 2025), with decoupled weight decay,
+    on every 2-D matrix of the blocks; AdamW, as `adamw` groups it, on the embeddings (the
+    tied head among them), biases and LayerNorm gains. One learning rate for both."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    params = [p for p in model.parameters() if p.requires_grad]
+    hidden = [p for p in params if p.dim() == 2 and id(p) not in embeddings]
+    rest = [p for p in params if id(p) not in {id(h) for h in hidden}]
+    muon = torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=True,
+                            ns_steps=5, adjust_lr_fn="match_rms_adamw")
+    adam = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
+                              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}], lr=lr, betas=betas)
+    return Together(muon, adam)
+
+
+def sgemm_ceiling(torch, n: int = 1024, reps: int = 20) -> float:
+    """GFLOP/s of torch.mm on n x n float32 on one thread: PyTorch's own BLAS's ceiling
+    (its bundled one, not NumPy's), the yardstick of its MFU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    torch.mm(a, b, out=out)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        times.append(time.perf_counter() - start)
+    torch.set_num_threads(threads)
+    return 2 * n ** 3 / float(np.median(times)) / 1e9
+
+
 def cosine_lr(it: int, args) -> float:
     """Linear warm-up over args.lr_warmup steps, then cosine decay to lr / 10 by args.lr_decay_iters."""
     if it < args.lr_warmup:
@@ -137,6 +188,12 @@ def cosine_lr(it: int, args) -> float:
     return args.lr / 10 + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (args.lr - args.lr / 10)
 
 
+def blas_of(torch) -> str:
+    """The BLAS and CPU kernels PyTorch was built with, as its own config says."""
+    found = re.findall(r"(BLAS_INFO=[^,\s]+|USE_MKLDNN=[^,\s]+|CPU capability usage: \S+)", torch.__config__.show())
+    return ", ".join(found)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("--threads", 1), ("--n-layers", 4), ("--n-heads", 4), ("--d-model", 128),
@@ -144,6 +201,8 @@ def main():
                           ("--lr-warmup", 100), ("--lr-decay-iters", 5000)):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--lr", type=float, default=1e-3)         # nanoGPT's shakespeare_char config
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                   help="muon: numpitron's recipe (muon_and_adamw), for a step of the same work")
     args = p.parse_args()
     args.dropout = 0.0
     import torch
@@ -151,7 +210,9 @@ def main():
     torch.manual_seed(1337)
     model = define_gpt(torch)(args)
     model.train()
-    opt = adamw(model, torch, args.lr, weight_decay=0.1, betas=(0.9, 0.99))
+    opt = (muon_and_adamw if args.optimizer == "muon" else adamw)(model, torch, args.lr, weight_decay=0.1,
+                                                                  betas=(0.9, 0.99))
+    ceiling = sgemm_ceiling(torch)
     data = np.random.default_rng(0).integers(0, args.vocab, 200_000).astype(np.uint16)
 
     def get_batch():
@@ -175,10 +236,12 @@ def main():
         times.append(time.perf_counter() - start)
     ms = float(np.median(times[args.warmup:])) * 1e3
     print(json.dumps({"framework": f"pytorch {torch.__version__} (nanoGPT's model and loop)",
-                      "threads": args.threads, "ms_per_iter_median": round(ms, 2),
+                      "threads": args.threads, "optimizer": args.optimizer, "ms_per_iter_median": round(ms, 2),
                       "ms_per_iter_min": round(min(times[args.warmup:]) * 1e3, 2),
                       "tokens_per_s": round(args.batch * args.seq_len / (ms / 1e3), 1),
                       "final_loss": round(loss.item(), 4),
+                      # torch.mm's 1024^3 float32 GFLOP/s on one thread, and this build's BLAS
+                      "sgemm_gflops_1thread": round(ceiling, 1), "blas": blas_of(torch),
                       "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))
 
 

@@ -1,11 +1,14 @@
 """PyTorch's side of the race (benchmarks/race.py): the GPT of torch_reference.py trained
-on the prepared Tiny Shakespeare as nanoGPT trains it, with AdamW.
+on the prepared Tiny Shakespeare, with nanoGPT's recipe or with numpitron's.
 
-    python benchmarks/race_pytorch.py --threads 2 --iters 5000
+    python benchmarks/race_pytorch.py --threads 2 --iters 5000                # nanoGPT's recipe
+    python benchmarks/race_pytorch.py --threads 2 --optimizer muon --lr 8e-3 --iters 1000   # numpitron's
 
-The recipe of the issue's baseline: 4 layers, d 128, 4 heads, T 64, batch 12, lr 1e-3
-with 100 warm-up iterations and cosine decay to 1e-4 at the last iteration, weight decay
-0.1, betas (0.9, 0.99), clipping at 1. Every `--eval-interval` iterations (and at the
+The defaults are the baseline's recipe: 4 layers, d 128, 4 heads, T 64, batch 12, AdamW
+at lr 1e-3 with 100 warm-up iterations and cosine decay to 1e-4 at the last iteration,
+weight decay 0.1, betas (0.9, 0.99), clipping at 1. With --optimizer muon the blocks'
+matrices take torch.optim.Muon as numpitron's --optimizer muon does (nanogpt_reference.py,
+`muon_and_adamw`); race.py passes configs/race.toml's values for the equal-recipe race. Every `--eval-interval` iterations (and at the
 end) it takes the mean loss of `--eval-iters` random batches of each split and prints
 it as train_shakespeare.py does ("iter N: train X, val Y"), so the race reads both
 programs the same way. Needs only torch and NumPy; numpitron is never imported.
@@ -17,14 +20,17 @@ from pathlib import Path
 
 import numpy as np
 
+from nanogpt_reference import adamw, muon_and_adamw
 from torch_reference import build
 
 
 def learning_rate(it: int, args) -> float:
-    """Linear warm-up, then cosine decay to min_lr (numpitron's optim/schedule.py, nanoGPT's)."""
+    """Linear warm-up, then cosine decay to min_lr by --lr-decay-iters (default: the last
+    iteration), then min_lr (numpitron's optim/schedule.py, nanoGPT's)."""
     if it < args.warmup:
         return args.lr * (it + 1) / (args.warmup + 1)
-    progress = min(1.0, (it - args.warmup) / max(1, args.iters - args.warmup))
+    decay = args.lr_decay_iters or args.iters
+    progress = min(1.0, (it - args.warmup) / max(1, decay - args.warmup))
     return args.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)
 
 
@@ -46,10 +52,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("--threads", 2), ("--n-layers", 4), ("--n-heads", 4), ("--d-model", 128),
                           ("--seq-len", 64), ("--batch", 12), ("--iters", 5000), ("--warmup", 100),
-                          ("--eval-interval", 250), ("--eval-iters", 50), ("--seed", 1337)):
+                          ("--eval-interval", 250), ("--eval-iters", 50), ("--seed", 1337), ("--lr-decay-iters", 0)):
         p.add_argument(flag, type=int, default=default)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--min-lr", type=float, default=1e-4)
+    for flag, default in (("--lr", 1e-3), ("--min-lr", 1e-4), ("--weight-decay", 0.1), ("--beta1", 0.9),
+                          ("--beta2", 0.99), ("--grad-clip", 1.0), ("--muon-momentum", 0.95)):
+        p.add_argument(flag, type=float, default=default)
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     p.add_argument("--data-dir", default="data", help="train.bin and val.bin as train_shakespeare.py prepared them")
     args = p.parse_args()
     import torch
@@ -58,8 +66,11 @@ def main():
     splits = {name: torch.from_numpy(np.fromfile(Path(args.data_dir) / f"{name}.bin", np.uint16).astype(np.int64))
               for name in ("train", "val")}
     args.vocab = int(max(int(t.max()) for t in splits.values())) + 1
-    model, opt = build(args, torch)
+    model, _ = build(args, torch)
     initialise(model, args.n_layers, torch)
+    betas = (args.beta1, args.beta2)
+    opt = (muon_and_adamw(model, torch, args.lr, args.weight_decay, betas, args.muon_momentum)
+           if args.optimizer == "muon" else adamw(model, torch, args.lr, args.weight_decay, betas))
     gen = torch.Generator().manual_seed(args.seed)
 
     def batch(split):
@@ -79,7 +90,8 @@ def main():
         loss = model(*batch("train"))
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if args.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
         done = it + 1
         if done % args.eval_interval == 0 or done == args.iters:

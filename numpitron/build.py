@@ -1,9 +1,10 @@
 """What the configurations describe, built: the stage (a `GPTStage` given its experts when
 it has them), its optimizers (the one place that picks the implementation for a ZeRO
 stage: data_parallel/distributed_optimizer.py is their interface), and the trainer around
-them (the number format, FP8, the experts' statistics). Every entry point builds here, so that the model
+them (the number format, FP8, the BLAS, the experts' statistics). Every entry point builds here, so that the model
 (model.py) and the step (trainer.py) never need to know the features that wrap them."""
 
+from numpitron.blas.products import use_blas
 from numpitron.compression.optimizer import CompressedDataParallelOptimizer, CompressedZeroOneOptimizer
 from numpitron.data_parallel.buckets import DataParallelOptimizer, HierarchicalDataParallelOptimizer
 from numpitron.data_parallel.distributed_optimizer import GradientGroup
@@ -82,11 +83,12 @@ def build_trainer(model_cfg, parallel_cfg, train_cfg, topo) -> Trainer:
         fp8 = DelayedScaling(list(linear_layers(model)), topo.world)
         fp8.install(linear_layers(model))
         features.insert(0, Fp8Scaling(fp8))
+    blas = use_blas(model, parallel_cfg.resolved_blas())      # --blas: the products' library (blas/)
     readers = None                  # the dp ranks read the global batch, unless DiLoCo's replicas share it
     if train_cfg.diloco_replicas:   # diloco/: an outer step after every H-th, over the replicas
         diloco = DiLoCo(topo, optimizers, train_cfg)
         features.append(diloco)
         readers = diloco.readers(topo)
     trainer = Trainer(model_cfg, parallel_cfg, train_cfg, topo, model, optimizers, step_rule, features, readers)
-    trainer.fp8, trainer.scaler = fp8, scaler
+    trainer.fp8, trainer.scaler, trainer.blas = fp8, scaler, blas
     return trainer

@@ -12,6 +12,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from numpitron.blas.setting import BlasSetting
 from numpitron.compression.checks import COMPRESSIONS
 from numpitron.diloco.checks import check_diloco
 from numpitron.diloco.settings import DilocoSettings
@@ -22,12 +23,10 @@ from numpitron.pipeline_parallel.schedules import (INTERLEAVED, ONE_F_ONE_B, SCH
 from numpitron.precision.formats import GRAD_REDUCE_DTYPES, check_precision
 from numpitron.rampup import Ramp
 
-DTYPES = ("float32", "float64")
-RECOMPUTE = ("none", "selective", "full")
+DTYPES, RECOMPUTE = ("float32", "float64"), ("none", "selective", "full")
 LOAD_BALANCING = ("aux-loss", "bias")                          # docs/13-experts.md
 CONTEXT_PARALLEL_TYPES = ("ring", "ulysses", "hybrid")         # docs/12-context-parallelism.md
-OPTIMIZERS = ("adamw", "muon", "sgd")
-ZERO_STAGES = (0, 1, 2, 3)
+OPTIMIZERS, ZERO_STAGES = ("adamw", "muon", "sgd"), (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -100,8 +99,8 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
-    """How to parallelise, beyond the mesh's sizes (which only the Topology holds)."""
+class ParallelConfig(BlasSetting):
+    """How to parallelise, beyond the mesh's sizes (the Topology's); and --blas (blas/setting.py)."""
     SECTION: ClassVar[str] = "parallelism"
 
     schedule: str = setting(ONE_F_ONE_B, "the order of forwards and backwards on each stage "
@@ -139,6 +138,7 @@ class ParallelConfig:
         integers(self, "virtual_stages", "ulysses_size")
         positive(self, "bucket_size", "virtual_stages")
         non_negative(self, "ulysses_size")
+        self.check_blas()
         if self.context_parallel_type not in CONTEXT_PARALLEL_TYPES:
             raise UserError(f"unknown context-parallel type {self.context_parallel_type!r}; choose one of "
                             f"{', '.join(CONTEXT_PARALLEL_TYPES)}")

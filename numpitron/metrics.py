@@ -33,8 +33,9 @@ def read_rows(path: Path) -> tuple[list[dict], int]:
 
 
 class MetricsLog:
-    def __init__(self, path: Path, enabled: bool, resume_from_iter: int | None = None):
-        self.path, self.enabled = Path(path), enabled
+    def __init__(self, path: Path, enabled: bool, resume_from_iter: int | None = None, first: dict | None = None):
+        """first: what the first row written also says (the BLAS that ran, blas/products.py)."""
+        self.path, self.enabled, self.first = Path(path), enabled, first or {}
         if not enabled:
             return
         try:
@@ -56,6 +57,7 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
+        record, self.first = {**record, **self.first}, {}
         try:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")

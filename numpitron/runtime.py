@@ -33,7 +33,8 @@ def blas_threads_from_argv(argv: list[str]) -> str | None:
     keeps what it parsed for the parser. None when neither sets it, or when the command
     line or the file cannot be read: the parser reports that, in one line."""
     try:
-        given = prescan(argv, "--blas-threads", "--config")
+        # --blas (blas/setting.py) named too: argparse would take it for short for --blas-threads
+        given = prescan(argv, "--blas-threads", "--config", "--blas")
         if given.blas_threads is not None or given.config is None:
             return given.blas_threads
         mesh = parsed_toml(given.config).get("mesh")

@@ -81,7 +81,7 @@ def train(model_cfg, parallel_cfg, train_cfg, topo, data_dir, out_dir, resume=Fa
     def save(reason: str, protect):
         extra = {"saved_for": reason, "tokenizer": tokenizer.to_dict()}
         return save_checkpoint(ckpt_root, trainer, train_cfg.keep_checkpoints, protect=protect, extra=extra)
-    log = MetricsLog(out_dir / METRICS_NAME, topo.is_logger, trainer.iteration if resume else None)
+    log = MetricsLog(out_dir / METRICS_NAME, topo.is_logger, trainer.iteration if resume else None, {"blas": trainer.blas})
     if topo.is_logger:
         print(topo, flush=True)
         if topo.replicas is not None:

@@ -31,6 +31,7 @@ import numpy as np
 
 from numpitron.context_parallel.zigzag import Chunk
 from numpitron.nn.functional import softmax_lastdim_with_lse_
+from numpitron.nn.matmul import PLAIN
 
 _MASKS = {}
 # Query rows per tile. Smaller tiles skip more of the masked triangle but make the
@@ -72,10 +73,10 @@ def _mask(q_chunk, k_chunks, dtype):
 
 class AttentionState:
     """The running output O (B, H, T, hd) and log-sum-exp L (B, H, T, 1) of the queries,
-    and how many groups each query chunk has folded in."""
+    how many groups each query chunk has folded in, and the layer's products (nn/matmul.py)."""
 
-    def __init__(self, q, precision):
-        self.precision = precision      # the run's format (nn/layer.py): the probabilities are rounded to it
+    def __init__(self, q, precision, matmul=PLAIN):
+        self.precision, self.matmul = precision, matmul     # the run's format: the probabilities are rounded to it
         self.out = np.empty_like(q)     # every query row is written by its first group
         self.lse = np.full(q.shape[:-1] + (1,), -np.inf, q.dtype)
         self.groups = {}
@@ -101,7 +102,7 @@ def attend_block(q, q_chunks, k, v, k_chunks, state: AttentionState) -> list[Sof
             continue
         end = visible[-1].stop                      # the visible chunks are rows [0, end)
         rows = slice(qc.start, qc.stop)
-        probs = q[:, :, rows] @ k[:, :, :end].transpose(0, 1, 3, 2)     # scores S = q k^T, (B, H, tq, tk)
+        probs = state.matmul.product(q[:, :, rows], k[:, :, :end].transpose(0, 1, 3, 2))   # S = q k^T, (B, H, tq, tk)
         mask = _mask(qc, visible, q.dtype)
         if mask is not None:
             probs += mask
@@ -109,10 +110,10 @@ def attend_block(q, q_chunks, k, v, k_chunks, state: AttentionState) -> list[Sof
         state.precision.round_(probs)               # the softmax kernel writes the low format
         seen = state.groups.get(qc, 0)
         if seen == 0:                               # the first group of these queries: write in place
-            np.matmul(probs, v[:, :, :end], out=state.out[:, :, rows])
+            state.matmul.product(probs, v[:, :, :end], out=state.out[:, :, rows])
             state.lse[:, :, rows] = lse
         else:
-            out = probs @ v[:, :, :end]
+            out = state.matmul.product(probs, v[:, :, :end])
             old = state.lse[:, :, rows]
             new = np.logaddexp(old, lse)
             state.out[:, :, rows] *= np.exp(old - new)
@@ -127,15 +128,16 @@ def attend_block_backward(groups: list[SoftmaxGroup], q, k, v, dout, d_rowsum, s
                           dq, dk, dv) -> None:
     """Add one block's contribution to dq (unscaled: the caller applies the scale) and
     to this block's dk and dv. Every buffer accumulates: the caller zeroes them first."""
+    product, add_product = state.matmul.product, state.matmul.add_product
     for group in groups:
         rows, end = slice(group.queries.start, group.queries.stop), group.key_end
         probs = group.probs
         if state.groups[group.queries] > 1:         # the group's own normaliser was not the final one
             probs = probs * np.exp(group.lse - state.lse[:, :, rows])
         do = dout[:, :, rows]
-        dv[:, :, :end] += probs.transpose(0, 1, 3, 2) @ do
-        ds = do @ v[:, :, :end].transpose(0, 1, 3, 2)
+        add_product(probs.transpose(0, 1, 3, 2), do, dv[:, :, :end])
+        ds = product(do, v[:, :, :end].transpose(0, 1, 3, 2))
         ds -= d_rowsum[:, :, rows]
         ds *= probs
-        dq[:, :, rows] += ds @ k[:, :, :end]
-        dk[:, :, :end] += ds.transpose(0, 1, 3, 2) @ q[:, :, rows]
+        add_product(ds, k[:, :, :end], dq[:, :, rows])
+        add_product(ds.transpose(0, 1, 3, 2), q[:, :, rows], dk[:, :, :end])

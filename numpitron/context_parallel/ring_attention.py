@@ -61,9 +61,9 @@ class RingAttention:
                 own[...] = arrived
         return dqkv
 
-    def recompute(self, step: int, q, block, precision) -> list:
+    def recompute(self, step: int, q, block, state: AttentionState) -> list:
         """A step's softmax groups again, probabilities included (selective recomputation)."""
         T, cp = q.shape[2], self.ring.size
         owner = (self.rank - step) % cp
         return attend_block(q, query_tiles(self.chunks(T, cp, self.rank)), *block, self.chunks(T, cp, owner),
-                            AttentionState(q, precision))
+                            AttentionState(q, state.precision, state.matmul))

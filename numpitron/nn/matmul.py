@@ -1,8 +1,9 @@
 """The products every layer makes, as they are written, and the two sums BLAS does best.
 
 A linear layer's three products (y = x W, dL/dx = dL/dy W^T, dL/dW = x^T dL/dy) go
-through one object, `PlainMatmul`, so that a feature may install another (FP8's scaled
-products, precision/fp8.py) without the layer knowing.
+through one object, `PlainMatmul`, and so do attention's stacked products, so that a
+feature may install another (FP8's scaled products, precision/fp8.py; another BLAS,
+blas/products.py) without the layer knowing.
 """
 
 import numpy as np
@@ -24,6 +25,15 @@ class PlainMatmul:
 
     def weight_grad(self, x, dy):
         return x.T @ dy                                 # dL/dW = x^T dL/dy
+
+    def add_weight_grad(self, x, dy, grad):
+        grad += self.weight_grad(x, dy)                 # summed over micro-batches
+
+    def product(self, a, b, out=None):
+        return np.matmul(a, b, out=out)                 # attention's, over (B, H) stacks
+
+    def add_product(self, a, b, out):
+        out += a @ b
 
 
 PLAIN = PlainMatmul()

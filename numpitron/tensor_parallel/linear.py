@@ -67,7 +67,7 @@ class ColumnParallelLinear(Layer):
     def backward_weights(self, cache):
         dy = rows(cache["dy"])
         x = rows(self.region.gather(self.precision.widen(cache["x"])))
-        self.weight.grad.reshape(-1, dy.shape[1])[...] += self.matmul.weight_grad(x, dy)
+        self.matmul.add_weight_grad(x, dy, self.weight.grad.reshape(-1, dy.shape[1]))
         self.bias.grad.reshape(-1)[...] += column_sums(dy)
 
 
@@ -105,7 +105,7 @@ class RowParallelLinear(Layer):
 
     def backward_weights(self, cache):
         x = self.precision.widen(cache["x"])
-        self.weight.grad += self.matmul.weight_grad(rows(x), rows(cache["dy_full"]))
+        self.matmul.add_weight_grad(rows(x), rows(cache["dy_full"]), self.weight.grad)
         # The bias met only this rank's tokens: under sequence parallelism a partial
         # sum, completed over tp in GPTStage.finalize_grads.
         self.bias.grad += column_sums(rows(cache["dy"]))

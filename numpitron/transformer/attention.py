@@ -25,7 +25,7 @@ from numpitron.context_parallel.ulysses import HeadExchange
 from numpitron.context_parallel.zigzag import Chunk
 from numpitron.distributed.sharding import shard_size
 from numpitron.nn.layer import Layer
-from numpitron.nn.matmul import row_sums
+from numpitron.nn.matmul import PLAIN, row_sums
 from numpitron.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -42,6 +42,7 @@ class ParallelAttention(Layer):
         self.keep_probs = keep_probs
         self.qkv = ColumnParallelLinear(f"{name}.qkv", d_model, d_model, topo, groups=3, region=region)
         self.proj = RowParallelLinear(f"{name}.proj", d_model, d_model, topo, std=out_std, region=region)
+        self.matmul = PLAIN         # the scores' and the outputs' products (another BLAS: blas/products.py)
 
     def parameters(self):
         return self.qkv.parameters() + self.proj.parameters()
@@ -63,7 +64,7 @@ class ParallelAttention(Layer):
         q *= self.scale                                  # cheaper on (T, hd) than on (T, T)
         fmt = self.precision
         fmt.round_(q)                                    # q keeps the scale: rounded with it
-        state = AttentionState(q, fmt)
+        state = AttentionState(q, fmt, self.matmul)
         if kv is not None:                               # the new positions, after the cached ones
             keys, values, start = kv.append(k, v)
             groups = [attend_block(q, query_tiles([Chunk(0, T, start)]), keys, values, [Chunk(0, start + T, 0)], state)]
@@ -94,7 +95,7 @@ class ParallelAttention(Layer):
 
         def probs_of(step, groups, block):
             if not self.keep_probs:                      # recompute this block's probabilities
-                return self.ring.recompute(step, q, block, fmt)
+                return self.ring.recompute(step, q, block, state)
             return [group._replace(probs=fmt.widen(group.probs)) for group in groups]
 
         dqkv = self.ring.backward(cache["groups"], q, k, v, dout, d_rowsum, state, probs_of)
