@@ -100,8 +100,12 @@ def test_numpy_is_the_default_and_leaves_the_plain_products():
     assert all(layer.matmul is PLAIN for layer in layers_with_products(trainer.model))
 
 
-def test_auto_takes_mkl_when_installed_and_numpy_when_not(monkeypatch):
+def test_auto_takes_mkl_when_installed_on_an_intel_cpu_and_numpy_when_not(monkeypatch):
+    monkeypatch.setattr(setting, "intel_cpu", lambda: True)
     assert ParallelConfig(blas="auto").resolved_blas() == "mkl"
+    monkeypatch.setattr(setting, "intel_cpu", lambda: False)
+    assert ParallelConfig(blas="auto").resolved_blas() == "numpy"
+    monkeypatch.setattr(setting, "intel_cpu", lambda: True)
     monkeypatch.setattr(setting, "library_path", lambda: None)
     assert ParallelConfig(blas="auto").validate().resolved_blas() == "numpy"
 

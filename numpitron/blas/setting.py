@@ -2,7 +2,9 @@
 
 numpy: NumPy's `@` (OpenBLAS in the PyPI wheel), the reference every other is tested
 against. mkl: the `mkl` wheel's CBLAS through ctypes (blas/mkl.py; `pip install
-numpitron[mkl]`). auto: mkl when it is installed, else numpy. The check runs on every rank
+numpitron[mkl]`). auto: mkl when it is installed and the CPU is Intel's, else numpy: on
+other CPUs MKL runs its generic path, which on an AMD EPYC with AVX-512 ran the model's
+products at under half of OpenBLAS's speed (appendix A, "Which BLAS"). The check runs on every rank
 alike, before any communication, so a missing library is one line and no hang.
 """
 
@@ -20,7 +22,7 @@ class BlasSetting:
     """A config's --blas (config.py's ParallelConfig takes it)."""
 
     blas: str = setting("numpy", "the BLAS of the layers' products: NumPy's, MKL's (the mkl wheel), or auto: MKL "
-                                 "when installed", choices=BLAS_CHOICES)
+                                 "when installed on an Intel CPU", choices=BLAS_CHOICES)
 
     def check_blas(self) -> None:
         if self.blas not in BLAS_CHOICES:
@@ -30,4 +32,15 @@ class BlasSetting:
 
     def resolved_blas(self) -> str:
         """numpy or mkl: what --blas auto comes to on this machine."""
-        return ("mkl" if library_path() is not None else "numpy") if self.blas == "auto" else self.blas
+        if self.blas != "auto":
+            return self.blas
+        return "mkl" if library_path() is not None and intel_cpu() else "numpy"
+
+
+def intel_cpu() -> bool:
+    """Whether MKL would find its own vendor's CPU (Linux's /proc/cpuinfo; False elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in cpuinfo)
+    except OSError:
+        return False
