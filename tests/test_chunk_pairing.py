@@ -84,3 +84,39 @@ def test_ep2_pp2_matches_serial_paired_and_not(schedule):
 def test_tp2_pp2_dualpipev_paired_matches_serial():
     """The tp all-reduces of two interleaved chunks keep one order on both tp ranks."""
     _check(dict(tensor=2, pipeline=2, schedule="dualpipev", moe_a2a_overlap=True))
+
+
+@pytest.mark.parametrize("inter_bandwidth", [None, 1e9, 1e5], ids=["one-node", "fast-link", "slow-link"])
+def test_the_planner_hides_in_each_pair_min_of_a_chunks_all_to_alls_and_the_other_chunks_compute(inter_bandwidth):
+    """pp = 2, dp = ep = 2, on one node or on hosts of one rank (the experts split across
+    hosts): per pair min(a_F, c_BW) + min(a_BW, c_F), as many pairs as the stage's list
+    holds; off, nothing hidden. On one node the exposed communication is larger by exactly
+    that (on links the pipeline's messages are priced on its timeline, which moves too)."""
+    from dataclasses import replace
+
+    from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
+    from numpitron.plan.devices import load_device
+    from numpitron.plan.predict import plan
+    device = load_device("this-machine") if inter_bandwidth is None else \
+        replace(load_device("this-machine"), ranks_per_host=1, intra_bandwidth=1e9, inter_bandwidth=inter_bandwidth,
+                intra_latency=0.0, inter_latency=0.0, cores_per_node=0)
+    model = ModelConfig(num_experts=4, moe_shared_experts=1).validate()
+    train = TrainConfig(micro_batch_size=4, global_batch_size=64).validate()
+    on, off = (plan(model, ParallelConfig(schedule="dualpipev", moe_a2a_overlap=overlap).validate(), train,
+                    (1, 2, 2, 1, 0, 2), device) for overlap in (True, False))
+    m = on["microbatches"]
+    for stage, stage_off in zip(on["stages"], off["stages"]):
+        a, t = stage["all_to_all"], stage["time_s"]
+        compute = t["matmul"] + t["elementwise"] + t["exp"] + t["calls"]          # m micro-batches, both chunks
+        assert a["pairs"] == len(paired_ops("dualpipev", m, 2, stage["stage"])) > 0
+        assert a["a_f"] + a["a_bw"] == pytest.approx(a["all_to_all"] / (2 * m)) and a["a_bw"] == pytest.approx(a["a_f"])
+        assert a["c_f"] + a["c_bw"] == pytest.approx(compute / (2 * m)) and a["c_bw"] == pytest.approx(2 * a["c_f"])
+        assert a["hidden"] == pytest.approx(a["pairs"] * (min(a["a_f"], a["c_bw"]) + min(a["a_bw"], a["c_f"])))
+        assert a["exposed_paired"] == pytest.approx(a["all_to_all"] - a["hidden"])
+        assert stage_off["all_to_all"]["hidden"] == 0.0
+        if inter_bandwidth is None:
+            assert stage_off["time_s"]["exposed_comm"] - t["exposed_comm"] == pytest.approx(a["hidden"])
+        elif inter_bandwidth < 1e6:      # the link is the bottleneck: a pair hides its whole computation
+            assert a["hidden"] == pytest.approx(a["pairs"] * (a["c_f"] + a["c_bw"]))
+        else:                          # compute is: a pair hides both chunks' all-to-alls
+            assert a["hidden"] == pytest.approx(a["pairs"] * (a["a_f"] + a["a_bw"]))

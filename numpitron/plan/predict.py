@@ -49,6 +49,7 @@ Each choice is an estimate, stated so that its error can be read off.
 from numpitron.distributed.sharding import pad_to_multiple
 from numpitron.pipeline_parallel.schedules import placement_of
 from numpitron.pipeline_parallel.timeline import ideal_bubble
+from numpitron.plan.a2a_overlap import a2a_exposure, pairs_per_iteration
 from numpitron.plan.accounting import Rank, parameter_elements, state_bytes
 from numpitron.plan.traffic import comm_bytes, comm_calls, gradient_buckets
 from numpitron.plan.activations import peak_activation_bytes
@@ -124,6 +125,11 @@ def plan(model, parallel, train, mesh, device) -> dict:
                     comm.get(f"{group}.send", 0.0) + comm.get(f"{group}.recv", 0.0), t_comm[f"{group}.send_recv"])
         exposed_per_mb = sum(t for kind, t in t_comm.items() if kind.split(".")[0] in ("tp", "cp", "pp", "ep")
                              and kind.split(".")[0] not in on_timeline) / m
+        # The experts' all-to-alls a schedule's pairs hide (plan/a2a_overlap.py); none without --moe-a2a-overlap.
+        pair_count = pairs_per_iteration(parallel, m, pp, stage) if parallel.moe_a2a_overlap else 0
+        a2a = a2a_exposure(t_comm.get("ep.all_to_allv", 0.0), sum(per_mb.values()), m, placement.v, pair_count,
+                           1 + (parallel.recompute == "full"))
+        exposed_per_mb -= a2a["hidden"] / m
         if on_timeline:
             message = comm.get("pp.send", 0.0) / max(calls.get("pp.send", 0), 1)
             stage_compute.append(stretch * (sum(per_mb.values()) + exposed_per_mb))
@@ -151,6 +157,8 @@ def plan(model, parallel, train, mesh, device) -> dict:
             comm[kind] = comm.get(kind, 0.0) + nbytes
         stages.append({"stage": stage, **state, "activations_peak": activations,
                        "total_peak": sum(state.values()) + activations, "comm_bytes": comm, "tiers": tiers,
+                       **({"all_to_all": {k: stretch * v if k not in ("pairs",) else v for k, v in a2a.items()}}
+                          if a2a["all_to_all"] else {}),
                        **({"newton_schulz": {k: muon[k] for k in ("owner_flops", "flops_total", "imbalance")}}
                           if "owner_flops" in muon else {}),
                        "time_s": {**{kind: stretch * m * t for kind, t in per_mb.items()},
