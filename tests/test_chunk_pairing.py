@@ -14,8 +14,8 @@ from tests.harness import assert_on_every_rank, check_mesh
 SHARED = dict(num_experts=4, moe_top_k=2, moe_shared_experts=1, moe_expert_hidden=16)
 
 
-def paired_ops(name: str, m: int, p: int, rank: int) -> list[str]:
-    ops = make_schedule(name, m, p, rank, placement_of(name, p).v)
+def paired_ops(name: str, m: int, p: int, rank: int, v: int = 1) -> list[str]:
+    ops = make_schedule(name, m, p, rank, placement_of(name, p, v).v)
     return [" ".join(str(ops[i]) for i in group) for group in pairs(ops) if len(group) == 2]
 
 
@@ -68,7 +68,10 @@ def _check(mesh: dict):
     assert_on_every_rank({"paired exactly when the overlap is on": (paired, mesh["moe_a2a_overlap"])})
     if paired:
         topo = run.trainer.topo
-        expected = 10 * len(paired_ops(mesh["schedule"], run.trainer.num_microbatches, topo.pp, topo.pp_rank))
+        expected = 10 * len(paired_ops(mesh["schedule"], run.trainer.num_microbatches, topo.pp, topo.pp_rank,
+                                       mesh.get("virtual_stages", 1)))
+        if not pairs_can_run(mesh["schedule"], run.trainer.num_microbatches, run.trainer.model.placement):
+            expected = 0
         assert_on_every_rank({"every pair ran as one": (schedule.pairs_run, expected),
                               "and handed over": (schedule.pair.handovers > 0, expected > 0)})
 
@@ -78,6 +81,15 @@ def _check(mesh: dict):
 def test_ep2_pp2_matches_serial_paired_and_not(schedule):
     for overlap in (True, False):
         _check(dict(pipeline=2, data=2, expert=2, schedule=schedule, moe_a2a_overlap=overlap))
+
+
+@pytest.mark.parallel(nprocs=4)
+@pytest.mark.parametrize("schedule", ["interleaved", "gpipe"])
+def test_interleaved_pairs_and_gpipe_runs_unpaired_both_like_one_process(schedule):
+    """Interleaved 1F1B pairs its steady state; GPipe's one F-BW boundary would deadlock
+    paired, so it runs in turn (no pair, no hand-over)."""
+    _check(dict(pipeline=2, data=2, expert=2, schedule=schedule, moe_a2a_overlap=True,
+                **({"virtual_stages": 2} if schedule == "interleaved" else {})))
 
 
 @pytest.mark.parallel(nprocs=4)
