@@ -90,6 +90,8 @@ def build_trainer(model_cfg, parallel_cfg, train_cfg, topo) -> Trainer:
         readers = diloco.readers(topo)
     trainer = Trainer(model_cfg, parallel_cfg, train_cfg, topo, model, optimizers, step_rule, features, readers)
     trainer.fp8, trainer.scaler = fp8, scaler
-    if model.experts and parallel_cfg.moe_a2a_overlap:     # a forward and a backward chunk hide each other's all-to-alls
+    # A forward and a backward chunk hide each other's all-to-alls (chunk_pairing/); not under
+    # ZeRO-3, whose residency hooks gather the layers in the order one pass meets them.
+    if model.experts and parallel_cfg.moe_a2a_overlap and parallel_cfg.zero_stage != 3:
         trainer.run_schedule = PairedSchedule(model)
     return trainer

@@ -6,7 +6,7 @@ with the pairing on and off, and the pairs did hand over."""
 
 import pytest
 
-from numpitron.chunk_pairing.executor import PairedSchedule, pairs, pairs_can_run
+from numpitron.chunk_pairing.executor import PairedSchedule, choose_pairs, pairs, runnable
 from numpitron.chunk_pairing.pair import ChunkPair
 from numpitron.pipeline_parallel.schedules import make_schedule, placement_of
 from tests.harness import assert_on_every_rank, check_mesh
@@ -15,8 +15,9 @@ SHARED = dict(num_experts=4, moe_top_k=2, moe_shared_experts=1, moe_expert_hidde
 
 
 def paired_ops(name: str, m: int, p: int, rank: int, v: int = 1) -> list[str]:
-    ops = make_schedule(name, m, p, rank, placement_of(name, p, v).v)
-    return [" ".join(str(ops[i]) for i in group) for group in pairs(ops) if len(group) == 2]
+    placement = placement_of(name, p, v)
+    ops = make_schedule(name, m, p, rank, placement.v)
+    return [" ".join(str(ops[i]) for i in group) for group in choose_pairs(name, m, placement)[rank] if len(group) == 2]
 
 
 def test_the_pairs_are_the_steady_states_forward_and_backward():
@@ -25,15 +26,21 @@ def test_the_pairs_are_the_steady_states_forward_and_backward():
     assert paired_ops("dualpipev", 4, 2, 1) == ["F2 BW0:1", "F2:1 BW0", "F3 BW1:1", "F3:1 BW1"]
     assert paired_ops("1f1b", 4, 2, 0) == ["F1 BW0", "F2 BW1", "F3 BW2"]
     assert paired_ops("1f1b", 4, 2, 1) == []          # the last stage: F and BW of one micro-batch
+    assert paired_ops("1f1b", 4, 1, 0) == ["BW0 F1", "BW1 F2", "BW2 F3"]      # pp = 1: combined 1F1B
 
 
 def test_pairs_run_only_where_no_rank_waits_forever():
-    assert pairs_can_run("dualpipev", 4, placement_of("dualpipev", 2))
-    assert pairs_can_run("1f1b", 4, placement_of("1f1b", 2))
+    placement = placement_of("1f1b", 2)
+    lists = [make_schedule("1f1b", 4, 2, rank) for rank in range(2)]
+    assert runnable(lists, [pairs(ops) for ops in lists], placement)
+    # BW-then-F on the last stage: its BW0 F1 waits for F1's activation, which stage 0 sends
+    # after its F1 BW0, which waits for the last stage's BW0: a cycle.
+    assert not runnable(lists, [pairs(ops, both_orders=True) for ops in lists], placement)
     # GPipe pairs its last forward with the first backward, whose gradient needs the next
-    # stage's last forward, which waits for this stage's: a cycle. Likewise 1F1B with m < p.
-    assert not pairs_can_run("gpipe", 4, placement_of("gpipe", 2))
-    assert not pairs_can_run("1f1b", 2, placement_of("1f1b", 3))
+    # stage's last forward, which waits for this stage's. Likewise 1F1B with m < p.
+    assert paired_ops("gpipe", 4, 2, 0) == paired_ops("gpipe", 4, 2, 1) == []
+    assert paired_ops("1f1b", 2, 3, 0) == []
+    assert pairs(make_schedule("gpipe", 4, 2, 0)) != [(i,) for i in range(8)]      # there was a pair to refuse
 
 
 def test_a_pair_hands_over_at_every_wait_and_one_chunk_runs_at_a_time():
@@ -70,8 +77,6 @@ def _check(mesh: dict):
         topo = run.trainer.topo
         expected = 10 * len(paired_ops(mesh["schedule"], run.trainer.num_microbatches, topo.pp, topo.pp_rank,
                                        mesh.get("virtual_stages", 1)))
-        if not pairs_can_run(mesh["schedule"], run.trainer.num_microbatches, run.trainer.model.placement):
-            expected = 0
         assert_on_every_rank({"every pair ran as one": (schedule.pairs_run, expected),
                               "and handed over": (schedule.pair.handovers > 0, expected > 0)})
 
@@ -90,6 +95,13 @@ def test_interleaved_pairs_and_gpipe_runs_unpaired_both_like_one_process(schedul
     paired, so it runs in turn (no pair, no hand-over)."""
     _check(dict(pipeline=2, data=2, expert=2, schedule=schedule, moe_a2a_overlap=True,
                 **({"virtual_stages": 2} if schedule == "interleaved" else {})))
+
+
+@pytest.mark.parallel(nprocs=4)
+def test_ep_by_tp_paired_on_one_stage_matches_serial():
+    """pp = 1 pairs each BW with the next micro-batch's F; tp's all-reduces and ep's
+    all-to-alls of the two chunks interleave alike on every rank."""
+    _check(dict(tensor=2, data=2, expert=2, schedule="1f1b", moe_a2a_overlap=True))
 
 
 @pytest.mark.parallel(nprocs=4)

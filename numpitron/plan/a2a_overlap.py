@@ -13,22 +13,20 @@ dispatch and a combine per MoE block, a backward their two backwards, and under 
 recomputation the two of the forward again: a_BW = forwards x a_F) and c_F, c_BW their
 computation (one third and two thirds of a chunk's micro-batch, the planner's split
 for the data-parallel overlap too). The exposed time is T less the hidden part of every
-pair the rank runs (as many as `chunk_pairing.executor.pairs` finds in its list, none
-where the pairs could wait for each other forever). The shared experts' filler inside a
+pair the rank runs (as many as `chunk_pairing.executor.choose_pairs` finds in its
+list). The shared experts' filler inside a
 layer, which hides a little even unpaired, is not priced: it is at most a few percent of
 a layer's compute.
 """
 
-from numpitron.chunk_pairing.executor import pairs, pairs_can_run
-from numpitron.pipeline_parallel.schedules import make_schedule, placement_of
+from numpitron.chunk_pairing.executor import choose_pairs
+from numpitron.pipeline_parallel.schedules import placement_of
 
 
 def pairs_per_iteration(parallel, m: int, pp: int, stage: int) -> int:
     """How many (F, BW) pairs this stage runs in one iteration of m micro-batches."""
     placement = placement_of(parallel.schedule, pp, parallel.virtual_stages)
-    if not pairs_can_run(parallel.schedule, m, placement):
-        return 0
-    return sum(len(group) == 2 for group in pairs(make_schedule(parallel.schedule, m, pp, stage, placement.v)))
+    return sum(len(group) == 2 for group in choose_pairs(parallel.schedule, m, placement)[stage])
 
 
 def a2a_exposure(t_a2a: float, compute_per_mb: float, m: int, v: int, pair_count: int, forwards: int = 1) -> dict:
