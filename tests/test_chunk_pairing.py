@@ -68,6 +68,18 @@ def test_an_error_in_a_chunk_reaches_the_caller():
         ChunkPair().run(bad, lambda: None)
 
 
+def paired_peak(name: str, m: int, p: int, rank: int, v: int = 1) -> int:
+    """The most chunk caches alive at once when each pair holds both of its own: a
+    BW-then-F pair keeps the backward's cache while the forward makes its own."""
+    placement = placement_of(name, p, v)
+    ops, alive, peak = make_schedule(name, m, p, rank, placement.v), 0, 0
+    for group in choose_pairs(name, m, placement)[rank]:
+        alive += sum(ops[i].action == "F" for i in group)
+        peak = max(peak, alive)
+        alive -= sum(ops[i].action in ("BW", "W") for i in group)
+    return peak
+
+
 def _check(mesh: dict):
     run = check_mesh(mesh, model=SHARED, global_batch_size=16)
     schedule = run.trainer.run_schedule
@@ -77,7 +89,12 @@ def _check(mesh: dict):
         topo = run.trainer.topo
         expected = 10 * len(paired_ops(mesh["schedule"], run.trainer.num_microbatches, topo.pp, topo.pp_rank,
                                        mesh.get("virtual_stages", 1)))
-        assert_on_every_rank({"every pair ran as one": (schedule.pairs_run, expected),
+        m, v, stats = run.trainer.num_microbatches, mesh.get("virtual_stages", 1), run.trainer.last_pipeline_stats
+        assert_on_every_rank({"every operation timed once": (len(stats.events), len(make_schedule(
+                                  mesh["schedule"], m, topo.pp, topo.pp_rank, placement_of(mesh["schedule"], topo.pp, v).v))),
+                              "caches alive at once": (stats.peak_in_flight,
+                                                       paired_peak(mesh["schedule"], m, topo.pp, topo.pp_rank, v)),
+                              "every pair ran as one": (schedule.pairs_run, expected),
                               "and handed over": (schedule.pair.handovers > 0, expected > 0)})
 
 

@@ -13,7 +13,9 @@ Where some rank's input waits on this rank's first operation (GPipe's one F-BW
 boundary, 1F1B with fewer micro-batches than stages, BW-then-F pairs on a pipeline) the
 pairs would wait for each other forever. `runnable` runs every rank's groups against
 each other to find out; `choose_pairs` takes F-then-BW pairs, or both orders where
-that pairs more and still runs, or none.
+that pairs more and still runs, or none. A BW-then-F pair keeps the backward's cache
+while the forward makes its own: one chunk's caches more than running them in turn
+(the executor's PipelineStats counts it).
 """
 
 import time
