@@ -27,7 +27,6 @@ median of --iters steps, and --rounds repeats the whole to read the noise band.
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from dataclasses import replace
