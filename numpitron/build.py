@@ -4,7 +4,7 @@ stage: data_parallel/distributed_optimizer.py is their interface), and the train
 them (the number format, FP8, the experts' statistics). Every entry point builds here, so that the model
 (model.py) and the step (trainer.py) never need to know the features that wrap them."""
 
-from numpitron.chunk_pairing.executor import PairedSchedule
+from numpitron.chunk_pairing.executor import PairedSchedule, pairs_chunks
 from numpitron.compression.optimizer import CompressedDataParallelOptimizer
 from numpitron.data_parallel.buckets import DataParallelOptimizer, HierarchicalDataParallelOptimizer
 from numpitron.data_parallel.distributed_optimizer import GradientGroup
@@ -90,8 +90,6 @@ def build_trainer(model_cfg, parallel_cfg, train_cfg, topo) -> Trainer:
         readers = diloco.readers(topo)
     trainer = Trainer(model_cfg, parallel_cfg, train_cfg, topo, model, optimizers, step_rule, features, readers)
     trainer.fp8, trainer.scaler = fp8, scaler
-    # A forward and a backward chunk hide each other's all-to-alls (chunk_pairing/); not under
-    # ZeRO-3, whose residency hooks gather the layers in the order one pass meets them.
-    if model.experts and parallel_cfg.moe_a2a_overlap and parallel_cfg.zero_stage != 3:
+    if pairs_chunks(model_cfg, parallel_cfg):     # a forward and a backward chunk hide each other's all-to-alls
         trainer.run_schedule = PairedSchedule(model)
     return trainer

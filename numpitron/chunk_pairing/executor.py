@@ -58,6 +58,12 @@ def runnable(lists, groups, placement) -> bool:
     return all(p == len(mine) for p, mine in zip(position, groups))
 
 
+def pairs_chunks(model_cfg, parallel_cfg) -> bool:
+    """Whether a run pairs chunks: with experts and --moe-a2a-overlap, not under ZeRO-3
+    (its residency hooks gather the layers in the order one pass meets them)."""
+    return bool(model_cfg.num_experts) and parallel_cfg.moe_a2a_overlap and parallel_cfg.zero_stage != 3
+
+
 @lru_cache(maxsize=64)
 def choose_pairs(schedule: str, m: int, placement) -> tuple:
     """Every rank's groups: F-then-BW pairs, or both orders if that pairs more and runs,

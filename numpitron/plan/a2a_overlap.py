@@ -19,7 +19,7 @@ layer, which hides a little even unpaired, is not priced: it is at most a few pe
 a layer's compute.
 """
 
-from numpitron.chunk_pairing.executor import choose_pairs
+from numpitron.chunk_pairing.executor import choose_pairs, pairs_chunks
 from numpitron.pipeline_parallel.schedules import placement_of
 
 

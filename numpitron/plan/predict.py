@@ -49,7 +49,7 @@ Each choice is an estimate, stated so that its error can be read off.
 from numpitron.distributed.sharding import pad_to_multiple
 from numpitron.pipeline_parallel.schedules import placement_of
 from numpitron.pipeline_parallel.timeline import ideal_bubble
-from numpitron.plan.a2a_overlap import a2a_exposure, pairs_per_iteration
+from numpitron.plan.a2a_overlap import a2a_exposure, pairs_chunks, pairs_per_iteration
 from numpitron.plan.accounting import Rank, parameter_elements, state_bytes
 from numpitron.plan.traffic import comm_bytes, comm_calls, gradient_buckets
 from numpitron.plan.activations import peak_activation_bytes
@@ -126,7 +126,7 @@ def plan(model, parallel, train, mesh, device) -> dict:
         exposed_per_mb = sum(t for kind, t in t_comm.items() if kind.split(".")[0] in ("tp", "cp", "pp", "ep")
                              and kind.split(".")[0] not in on_timeline) / m
         # The experts' all-to-alls a schedule's pairs hide (plan/a2a_overlap.py); none without --moe-a2a-overlap.
-        pair_count = pairs_per_iteration(parallel, m, pp, stage) if parallel.moe_a2a_overlap else 0
+        pair_count = pairs_per_iteration(parallel, m, pp, stage) if pairs_chunks(model, parallel) else 0
         a2a = a2a_exposure(t_comm.get("ep.all_to_allv", 0.0), sum(per_mb.values()), m, placement.v, pair_count,
                            1 + (parallel.recompute == "full"))
         exposed_per_mb -= a2a["hidden"] / m
