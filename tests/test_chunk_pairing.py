@@ -161,3 +161,23 @@ def test_the_planner_hides_in_each_pair_min_of_a_chunks_all_to_alls_and_the_othe
             assert a["hidden"] == pytest.approx(a["pairs"] * (a["c_f"] + a["c_bw"]))
         else:                          # compute is: a pair hides both chunks' all-to-alls
             assert a["hidden"] == pytest.approx(a["pairs"] * (a["a_f"] + a["a_bw"]))
+
+
+def test_a_paired_timeline_idles_what_the_dualpipe_readme_says_and_the_planner_uses_it():
+    """A pair starts once both inputs are in: DualPipeV's idle time is the README's p - 1
+    units, (p - 1)/(3m + p - 1), twice the unpaired (p - 1)/(6m + p - 1); 1F1B's forward
+    waits for the backward's gradient, a third of the timeline at p = 2, m = 4."""
+    from numpitron.config import ModelConfig, ParallelConfig, TrainConfig
+    from numpitron.pipeline_parallel.timeline import ideal_bubble
+    from numpitron.plan.a2a_overlap import paired_bubble
+    from numpitron.plan.devices import load_device
+    from numpitron.plan.predict import plan
+    assert paired_bubble("dualpipev", 4, 8, 2) == pytest.approx(3 / 27)
+    assert ideal_bubble("dualpipev", 4, 8, 2) == pytest.approx(3 / 51)
+    assert paired_bubble("1f1b", 2, 4) == pytest.approx(1 / 3) and ideal_bubble("1f1b", 2, 4) == pytest.approx(1 / 5)
+    assert paired_bubble("gpipe", 2, 4) == ideal_bubble("gpipe", 2, 4)          # nothing pairs
+    model, train = ModelConfig(num_experts=4).validate(), TrainConfig(micro_batch_size=4, global_batch_size=64).validate()
+    for overlap, expected in ((True, paired_bubble), (False, ideal_bubble)):
+        parallel = ParallelConfig(schedule="dualpipev", moe_a2a_overlap=overlap).validate()
+        result = plan(model, parallel, train, (1, 2, 2, 1, 0, 2), load_device("this-machine"))
+        assert result["bubble"] == expected("dualpipev", 2, result["microbatches"], 2)

@@ -19,14 +19,32 @@ layer, which hides a little even unpaired, is not priced: it is at most a few pe
 a layer's compute.
 """
 
+from fractions import Fraction
+from functools import lru_cache
+
 from numpitron.chunk_pairing.executor import choose_pairs, pairs_chunks
-from numpitron.pipeline_parallel.schedules import placement_of
+from numpitron.pipeline_parallel.schedules import make_schedule, placement_of
+from numpitron.pipeline_parallel.timeline import UNIT_COST, ideal_bubble, simulate
 
 
 def pairs_per_iteration(parallel, m: int, pp: int, stage: int) -> int:
     """How many (F, BW) pairs this stage runs in one iteration of m micro-batches."""
     placement = placement_of(parallel.schedule, pp, parallel.virtual_stages)
     return sum(len(group) == 2 for group in choose_pairs(parallel.schedule, m, placement)[stage])
+
+
+@lru_cache(maxsize=256)
+def paired_bubble(name: str, p: int, m: int, v: int = 1) -> float:
+    """The bubble of the unit-cost timeline when each pair starts only once both its
+    inputs are in (`simulate(..., paired=True)`): DualPipeV's is the README's, twice
+    the unpaired idle time (docs/09). The unpaired bubble where nothing pairs."""
+    placement = placement_of(name, p, v)
+    if p == 1 or not any(len(group) == 2 for groups in choose_pairs(name, m, placement) for group in groups):
+        return ideal_bubble(name, p, m, v)
+    schedules = [make_schedule(name, m, p, stage, placement.v) for stage in range(p)]
+    makespan = max(simulate(schedules, m, placement.v, v_shape=placement.v_shape, paired=True))
+    busy = sum(Fraction(UNIT_COST[op.action], placement.v) for ops in schedules for op in ops)
+    return float(1 - busy / (p * makespan))
 
 
 def a2a_exposure(t_a2a: float, compute_per_mb: float, m: int, v: int, pair_count: int, forwards: int = 1) -> dict:

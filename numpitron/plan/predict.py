@@ -49,7 +49,7 @@ Each choice is an estimate, stated so that its error can be read off.
 from numpitron.distributed.sharding import pad_to_multiple
 from numpitron.pipeline_parallel.schedules import placement_of
 from numpitron.pipeline_parallel.timeline import ideal_bubble
-from numpitron.plan.a2a_overlap import a2a_exposure, pairs_chunks, pairs_per_iteration
+from numpitron.plan.a2a_overlap import a2a_exposure, paired_bubble, pairs_chunks, pairs_per_iteration
 from numpitron.plan.accounting import Rank, parameter_elements, state_bytes
 from numpitron.plan.traffic import comm_bytes, comm_calls, gradient_buckets
 from numpitron.plan.activations import peak_activation_bytes
@@ -79,7 +79,8 @@ def plan(model, parallel, train, mesh, device) -> dict:
     itemsize = scale * model.itemsize
     share = device.time_sharing(devices)
     stretch = share * device.pace(devices)       # time-sharing, and the pace of the slowest rank
-    bubble = ideal_bubble(parallel.schedule, pp, m, parallel.virtual_stages)
+    bubble = (paired_bubble if pairs_chunks(model, parallel) else ideal_bubble)(parallel.schedule, pp, m,
+                                                                                parallel.virtual_stages)
     stages, stage_compute, message = [], [], 0.0
     # A pipeline on links: its messages cost what they add to the schedule's timeline
     # (pipeline_transfer_time, after the loop), not their sum.
