@@ -28,7 +28,8 @@ timeline (links.pipeline_transfer_time) instead of their sum.
 
 Pipelines: m micro-batches' stage time stretched by the schedule's bubble b, m t / (1 - b):
 (m + p - 1) t for GPipe and 1F1B; b from the unit-cost timeline of the schedule
-(pipeline_parallel/schedules.py: interleaved and zero-bubble shrink it). With ranks sharing
+(pipeline_parallel/schedules.py: interleaved and zero-bubble shrink it; paired chunks, which
+wait for both inputs, grow it: plan/a2a_overlap.py). With ranks sharing
 cores, a rank idle in the bubble lends its core to the others, so the stretch is
 max(share, 1 / (1 - b)) over the share alone.
 
