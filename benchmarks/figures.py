@@ -440,6 +440,8 @@ def main():
     subprocess.run(launch(1, "benchmarks/pipeline_timeline.py", ["--ideal", "4", "--out", "docs/pipeline_ideal.svg"]),
                    check=True, cwd=REPO, capture_output=True)
     subprocess.run(launch(1, "benchmarks/diagrams.py", []), check=True, cwd=REPO, capture_output=True)
+    subprocess.run(launch(2, "benchmarks/chunk_pair_timeline.py", ["--out", "docs/figures/chunk_pair.svg"]),
+                   check=True, cwd=REPO, capture_output=True)
     data["context_parallel_blocks"] = context_parallel_blocks()
     data["hsdp_rates"] = hsdp_rates(plt)
     data["routing"] = routing(Path(args.data_dir).resolve(), 200 if args.quick else 2000)

@@ -5,6 +5,7 @@ them (the number format, FP8, the BLAS, the experts' statistics). Every entry po
 (model.py) and the step (trainer.py) never need to know the features that wrap them."""
 
 from numpitron.blas.products import use_blas
+from numpitron.chunk_pairing.executor import PairedSchedule, pairs_chunks
 from numpitron.compression.optimizer import CompressedDataParallelOptimizer, CompressedZeroOneOptimizer
 from numpitron.data_parallel.buckets import DataParallelOptimizer, HierarchicalDataParallelOptimizer
 from numpitron.data_parallel.distributed_optimizer import GradientGroup
@@ -91,4 +92,6 @@ def build_trainer(model_cfg, parallel_cfg, train_cfg, topo) -> Trainer:
         readers = diloco.readers(topo)
     trainer = Trainer(model_cfg, parallel_cfg, train_cfg, topo, model, optimizers, step_rule, features, readers)
     trainer.fp8, trainer.scaler, trainer.blas = fp8, scaler, blas
+    if pairs_chunks(model_cfg, parallel_cfg):     # a forward and a backward chunk hide each other's all-to-alls
+        trainer.run_schedule = PairedSchedule(model)
     return trainer

@@ -124,7 +124,7 @@ class ParallelConfig(BlasSetting):
     ulysses_size: int = setting(0, "with --context-parallel-type hybrid: cp ranks per all-to-all group")
     tp_comm_overlap: bool = setting(True, "hide each column-parallel layer's input-gradient collective behind its "
                                           "weight gradient", negatable=True)
-    moe_a2a_overlap: bool = setting(True, "hide the experts' all-to-alls behind the shared experts", negatable=True)
+    moe_a2a_overlap: bool = setting(True, "hide the experts' all-to-alls behind the shared experts and paired chunks", negatable=True)
 
     def __post_init__(self):
         if self.schedule in V_SHAPED and self.virtual_stages == 1:     # a V has two chunks per rank

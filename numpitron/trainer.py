@@ -89,6 +89,7 @@ class Trainer:
         self.readers = readers or Readers(topo.dp, topo.dp_rank)
         self.fp8 = None             # FP8's delayed scaling, when a feature (build.py)
         self.scaler = None          # the loss scaler a checkpoint keeps (build.py)
+        self.run_schedule = run_schedule    # or one that runs the schedule's pairs as pairs (build.py)
         self.iteration = 0          # number of completed optimizer steps
         self.best_val_loss = float("inf")
         self.eval_batch_size = train_cfg.global_batch(self.readers.count)   # evaluation: always the full batch
@@ -126,7 +127,7 @@ class Trainer:
             feature.begin_step(self)
         self.set_batch(self.iteration)
         batches = self.microbatches(train_tokens, "train", self.iteration)
-        losses, stats = run_schedule(self.model, self.topo, batches, self.parallel_cfg.schedule,
+        losses, stats = self.run_schedule(self.model, self.topo, batches, self.parallel_cfg.schedule,
                                      loss_weight=self.model.loss_weight * self.step_rule.loss_scale,
                                      grads_ready=self.grads_ready)
         self.model.finalize_grads(self.grads_ready)

@@ -15,7 +15,8 @@ like a combine. With ep = 1 both are copies.
 
 Each can also be started and finished apart (`start_dispatch`, `start_combine`: an
 `Ialltoallv`), so that the layer computes something else while the rows travel
-(experts/moe.py).
+(experts/moe.py), and, before each wait, `meanwhile` lets a paired chunk compute
+(chunk_pairing/; outside a pair it does nothing).
 """
 
 from typing import NamedTuple
@@ -36,7 +37,7 @@ class Plan(NamedTuple):
 class AllToAllDispatcher:
     def __init__(self, ep_comm, num_experts: int, overlap: bool = True):
         """overlap=False: a started all-to-all is waited for at once (blocking, as before)."""
-        self.ep, self.overlap = ep_comm, overlap
+        self.ep, self.overlap, self.meanwhile = ep_comm, overlap, lambda comm, pending: None
         self.local_experts = shard_size(num_experts, ep_comm.size)
 
     def plan(self, rows_per_expert: np.ndarray) -> Plan:
@@ -51,12 +52,10 @@ class AllToAllDispatcher:
 
     def dispatch(self, rows: np.ndarray, plan: Plan) -> np.ndarray:
         """Rows sorted by expert, from this rank -> the rows of this rank's experts from
-        every ep rank, grouped by local expert."""
+        every ep rank, grouped by local expert (`combine` is the inverse)."""
         return self.start_dispatch(rows, plan)()
 
     def combine(self, rows: np.ndarray, plan: Plan) -> np.ndarray:
-        """The inverse: rows grouped by local expert -> back to their ranks, in the order
-        they were dispatched."""
         return self.start_combine(rows, plan)()
 
     def start_dispatch(self, rows: np.ndarray, plan: Plan):
@@ -78,5 +77,6 @@ class AllToAllDispatcher:
         return lambda: rows
 
     def _arrived(self, pending, received: np.ndarray) -> np.ndarray:
+        self.meanwhile(self.ep, pending)
         self.ep.wait(pending)
         return received

@@ -2,7 +2,7 @@
 
 A schedule is plain data a reader can print: per stage, a list of operations
 (F, BW, or the halves B and W; micro-batch; chunk). The executor walks this rank's
-list (`_Executor`); `PipelineStats` watches it run (what it records does not change
+list (`Executor`); `PipelineStats` watches it run (what it records does not change
 what runs). Inputs are received just before they are needed (blocking Recv) and outputs
 sent as soon as they exist (non-blocking Isend, completed at the end of the
 iteration): a schedule whose dependencies `timeline.simulate` can run to the end
@@ -123,7 +123,7 @@ def last_weight_ops(ops) -> set[int]:
     return set(last.values())
 
 
-class _Executor:
+class Executor:
     """One iteration's operations on this stage: each receives its input (blocking),
     computes, and sends its output on (non-blocking)."""
 
@@ -184,7 +184,7 @@ def run_schedule(model, topo, microbatches, schedule: str, loss_weight: float, g
     """
     ops = make_schedule(schedule, len(microbatches), topo.pp, topo.pp_rank, model.virtual_stages)
     final = last_weight_ops(ops)
-    executor, stats = _Executor(model, topo, microbatches, loss_weight), PipelineStats()
+    executor, stats = Executor(model, topo, microbatches, loss_weight), PipelineStats()
     for index, op in enumerate(ops):
         inputs = executor.receive(op)
         start = time.perf_counter()
@@ -199,7 +199,7 @@ def run_schedule(model, topo, microbatches, schedule: str, loss_weight: float, g
 def forward_only(model, topo, microbatches, schedule: str = ONE_F_ONE_B):
     """Evaluation: the schedule's forwards only, in its order, keeping no caches.
     Returns the losses on the last stage (an empty list elsewhere)."""
-    executor = _Executor(model, topo, microbatches, loss_weight=1.0)
+    executor = Executor(model, topo, microbatches, loss_weight=1.0)
     ops = make_schedule(schedule, len(microbatches), topo.pp, topo.pp_rank, model.virtual_stages)
     for op in (op for op in ops if op.action == FORWARD):
         executor.send(op, executor.compute(op, executor.receive(op)))

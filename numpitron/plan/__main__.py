@@ -157,6 +157,11 @@ def report(result: dict) -> str:
                      + ": " + ", ".join(f"{tier}-host {v['bytes'] / 2**20:.2f} MiB in {1e3 * v['seconds']:.2f} ms"
                                                  for tier, v in sorted(s["tiers"].items()))
                      + f"; groups across hosts: {', '.join(result['groups_across_hosts']) or 'none'}")
+        if "all_to_all" in s:
+            a = s["all_to_all"]
+            lines.append(f"    experts' all-to-alls {1e3 * a['all_to_all']:.2f} ms: exposed {1e3 * a['exposed_unpaired']:.2f} ms "
+                         f"unpaired, {1e3 * a['exposed_paired']:.2f} ms in the {a['pairs']} pairs of a forward and a "
+                         f"backward chunk this stage runs (each hides min(a2a, the other chunk's compute))")
         lines.append(f"    time: matmul {1e3 * t['matmul']:.1f} ms, element-wise {1e3 * t['elementwise']:.1f} ms, "
                      f"exp {1e3 * t['exp']:.1f} ms, calls {1e3 * t['calls']:.1f} ms, "
                      f"exposed communication {1e3 * t['exposed_comm']:.2f} ms, optimizer {1e3 * t['optimizer']:.2f} ms, "

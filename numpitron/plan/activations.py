@@ -4,6 +4,7 @@ and docs/11-pipeline-schedules.md derive them); tests compare
 them with `PipelineStats.peak_activation_bytes` of a real run, to the byte. A rank is
 plan/accounting.py's `Rank`."""
 
+from numpitron.chunk_pairing.executor import choose_pairs, pairs_chunks
 from numpitron.distributed.sharding import pad_to_multiple
 from numpitron.transformer.activation_memory import block_activation_bytes
 from numpitron.pipeline_parallel.schedules import BACKWARD, FORWARD, WEIGHT_GRAD, make_schedule
@@ -40,9 +41,13 @@ def chunk_activation_bytes(model, parallel, train, rank: Rank, chunk: int = 0) -
 
 def peak_activation_bytes(model, parallel, train, rank: Rank) -> int:
     """Walk this stage's schedule: a chunk's caches live from its forward to its whole
-    backward (BW) or its weight half (W); the peak of their sum."""
+    backward (BW) or its weight half (W); the peak of their sum. A pair of a forward and
+    a backward chunk (chunk_pairing/, with experts) keeps both while it runs."""
     m, alive, peak = train.num_microbatches(rank.dp), 0, 0
-    for op in make_schedule(parallel.schedule, m, rank.pp, rank.stage, parallel.virtual_stages):
+    ops = make_schedule(parallel.schedule, m, rank.pp, rank.stage, parallel.virtual_stages)
+    groups = choose_pairs(parallel.schedule, m, rank.stages)[rank.stage] if pairs_chunks(model, parallel) \
+        else [(i,) for i in range(len(ops))]
+    for op in (ops[i] for group in groups for i in sorted(group, key=lambda i: ops[i].action != FORWARD)):
         nbytes = chunk_activation_bytes(model, parallel, train, rank, op.chunk)
         alive += nbytes if op.action == FORWARD else -nbytes if op.action in (BACKWARD, WEIGHT_GRAD) else 0
         peak = max(peak, alive)

@@ -28,7 +28,8 @@ timeline (links.pipeline_transfer_time) instead of their sum.
 
 Pipelines: m micro-batches' stage time stretched by the schedule's bubble b, m t / (1 - b):
 (m + p - 1) t for GPipe and 1F1B; b from the unit-cost timeline of the schedule
-(pipeline_parallel/schedules.py: interleaved and zero-bubble shrink it). With ranks sharing
+(pipeline_parallel/schedules.py: interleaved and zero-bubble shrink it; paired chunks, which
+wait for both inputs, grow it: plan/a2a_overlap.py). With ranks sharing
 cores, a rank idle in the bubble lends its core to the others, so the stretch is
 max(share, 1 / (1 - b)) over the share alone.
 
@@ -49,6 +50,7 @@ Each choice is an estimate, stated so that its error can be read off.
 from numpitron.distributed.sharding import pad_to_multiple
 from numpitron.pipeline_parallel.schedules import placement_of
 from numpitron.pipeline_parallel.timeline import ideal_bubble
+from numpitron.plan.a2a_overlap import a2a_exposure, paired_bubble, pairs_chunks, pairs_per_iteration
 from numpitron.plan.accounting import Rank, parameter_elements, state_bytes
 from numpitron.plan.traffic import comm_bytes, comm_calls, gradient_buckets
 from numpitron.plan.activations import peak_activation_bytes
@@ -79,7 +81,8 @@ def plan(model, parallel, train, mesh, device) -> dict:
     itemsize = scale * model.itemsize
     share = device.time_sharing(devices)
     stretch = share * device.pace(devices)       # time-sharing, and the pace of the slowest rank
-    bubble = ideal_bubble(parallel.schedule, pp, m, parallel.virtual_stages)
+    bubble = (paired_bubble if pairs_chunks(model, parallel) else ideal_bubble)(parallel.schedule, pp, m,
+                                                                                parallel.virtual_stages)
     stages, stage_compute, message = [], [], 0.0
     # A pipeline on links: its messages cost what they add to the schedule's timeline
     # (pipeline_transfer_time, after the loop), not their sum.
@@ -126,6 +129,11 @@ def plan(model, parallel, train, mesh, device) -> dict:
                     comm.get(f"{group}.send", 0.0) + comm.get(f"{group}.recv", 0.0), t_comm[f"{group}.send_recv"])
         exposed_per_mb = sum(t for kind, t in t_comm.items() if kind.split(".")[0] in ("tp", "cp", "pp", "ep")
                              and kind.split(".")[0] not in on_timeline) / m
+        # The experts' all-to-alls a schedule's pairs hide (plan/a2a_overlap.py); none without --moe-a2a-overlap.
+        pair_count = pairs_per_iteration(parallel, m, pp, stage) if pairs_chunks(model, parallel) else 0
+        a2a = a2a_exposure(t_comm.get("ep.all_to_allv", 0.0), sum(per_mb.values()), m, placement.v, pair_count,
+                           1 + (parallel.recompute == "full"))
+        exposed_per_mb -= a2a["hidden"] / m
         if on_timeline:
             message = comm.get("pp.send", 0.0) / max(calls.get("pp.send", 0), 1)
             stage_compute.append(stretch * (sum(per_mb.values()) + exposed_per_mb))
@@ -155,6 +163,8 @@ def plan(model, parallel, train, mesh, device) -> dict:
             comm[kind] = comm.get(kind, 0.0) + nbytes
         stages.append({"stage": stage, **state, "activations_peak": activations,
                        "total_peak": sum(state.values()) + activations, "comm_bytes": comm, "tiers": tiers,
+                       **({"all_to_all": {k: stretch * v if k not in ("pairs",) else v for k, v in a2a.items()}}
+                          if a2a["all_to_all"] else {}),
                        **({"newton_schulz": {k: muon[k] for k in ("owner_flops", "flops_total", "imbalance")}}
                           if "owner_flops" in muon else {}),
                        "time_s": {**{kind: stretch * m * t for kind, t in per_mb.items()},

@@ -1,0 +1,164 @@
+"""The experts' all-to-all time that pairing a forward and a backward chunk hides
+(chunk_pairing/, docs/11-pipeline-schedules.md and docs/13-experts.md), measured on the
+simulated cluster beside the planner. Needs root (the cluster's namespaces).
+
+    python benchmarks/a2a_overlap.py                          # the scaled InfiniBand rate and a quarter of it
+    python benchmarks/a2a_overlap.py --rates 1 --iters 2 --warmup 1 --traced 1     # a smoke run
+    mpiexec -n 4 python benchmarks/a2a_overlap.py --worker --pipeline-parallel-size 2 \\
+        --data-parallel-size 2 --expert-parallel-size 2 --num-experts 4 ...        # one node, no cluster
+
+The layout: pp = 2 (DualPipeV), dp = ep = 2, every block a mixture of 4 experts (top 2,
+one shared). The mesh puts pp outermost (distributed/topology.py), so on hosts of two
+ranks an ep pair would share a host: by default every rank has a host of its own
+(--hosts-of 1), and the experts' all-to-alls cross the inter-host link. The links are
+benchmarks/cluster_layouts.py's: A100 links scaled by this CPU's FLOP/s over the A100's.
+
+At each rate the same run goes with --moe-a2a-overlap (paired) and without. Each gives:
+the step time (the slowest rank's median, benchmark.py's way); the seconds the ranks
+waited in the experts' all-to-alls (CommStats); and, from a trace of the last steps
+(trace/comm_probe.py's wrappers), each all-to-all's time in flight and the part the
+rank did not wait for (hidden). The hidden share is measured twice: from the step times,
+(unpaired - paired) / unpaired all-to-all wait, and from the paired trace, hidden /
+in flight. The planner's share, with the tiers fitted on the cluster
+(cluster_layouts.link_fit) and the compute speed the run measured: hidden /
+all-to-all time of plan/a2a_overlap.py. The machine is shared: each figure is a
+median of --iters steps, and --rounds repeats the whole to read the noise band.
+"""
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+from numpitron.runtime import configure_process  # noqa: E402
+
+configure_process(sys.argv)
+
+MODEL = ["--n-layers", "4", "--n-heads", "4", "--d-model", "128", "--seq-len", "64", "--num-experts", "4",
+         "--moe-top-k", "2", "--moe-shared-experts", "1"]
+MESH = ["--pipeline-parallel-size", "2", "--data-parallel-size", "2", "--expert-parallel-size", "2",
+        "--pipeline-schedule", "dualpipev"]
+BATCH = ["--micro-batch-size", "4", "--global-batch-size", "64"]          # m = 8 per dp rank
+
+
+def worker(argv: list) -> None:
+    """On 4 ranks: warm up, time --iters steps, trace --traced more; rank 0 prints one JSON."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from benchmark import N_TOKENS, VOCAB, parse_args, timed_steps, trainer_from_args
+    from numpitron.trace.comm_probe import CommProbe
+    from numpitron.trace.recorder import Recorder
+    p = argparse.ArgumentParser()
+    p.add_argument("--traced", type=int, default=2)
+    ours, rest = p.parse_known_args(argv)
+    args = parse_args(rest)
+    world = MPI.COMM_WORLD
+    trainer = trainer_from_args(args)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, N_TOKENS).astype(np.uint16)
+    for _ in range(args.warmup):
+        trainer.train_step(tokens)
+    mine = timed_steps(trainer, tokens, args.iters, world)
+    slowest = np.array(mine["step_s"])
+    world.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
+    waited = sum(v for k, v in mine["comm_seconds_per_iter_by_kind"].items() if k == "ep.all_to_allv")
+    rec = Recorder()
+    probe = CommProbe(rec, trainer.topo)
+    probe.install()
+    rec.active = True
+    for _ in range(ours.traced):
+        world.Barrier()
+        trainer.train_step(tokens)
+    rec.active = False
+    probe.uninstall()
+    spans = [s for s in rec.spans if s[2] == "ep in flight" and s[0] == "ep.all_to_allv"]
+    flight = sum((s[4] if s[4] is not None else s[3]) - s[3] for s in spans) / ours.traced
+    hidden = sum(max(0.0, (s[4] if s[4] is not None else s[3]) - s[3] - s[5]["waited_ms"] / 1e3)
+                 for s in spans) / ours.traced
+    ranks = world.gather({"waited_s": waited, "in_flight_s": flight, "hidden_s": hidden}, root=0)
+    from benchmark import sgemm_gflops
+    gflops = world.gather(sgemm_gflops(1024, 1024, 1024, np.dtype(args.dtype), reps=5), root=0)
+    if world.Get_rank() == 0:
+        print(json.dumps({"ms_median": 1e3 * float(np.median(slowest)), "per_rank": ranks,
+                          "sgemm_gflops_per_rank": float(np.mean(gflops)),
+                          "paired": type(trainer.run_schedule).__name__ == "PairedSchedule"}))
+
+
+def planned(flags: list, device, fits: dict, gflops: float) -> dict:
+    """The planner's all-to-all terms per stage, on the fitted tiers at the measured speed."""
+    import cluster_layouts as cl
+    tiers = replace(device, ranks_per_host=fits["per_host"], inter_latency=fits["alpha_inter_s"],
+                    inter_bandwidth=fits["beta_inter_bytes_s"], intra_latency=fits["alpha_intra_s"],
+                    intra_bandwidth=fits["beta_intra_bytes_s"])
+    scaled, _ = cl.at_speed(tiers, {"peak_gflops_per_rank": gflops})
+    result = cl.plan_step(flags, scaled)
+    return {"step_ms": 1e3 * result["step_s"],
+            "stages": [{k: s["all_to_all"][k] for k in ("all_to_all", "hidden", "pairs")} for s in result["stages"]]}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rates", default="1,0.25", help="inter-host rates, multiples of the scaled InfiniBand")
+    p.add_argument("--hosts-of", type=int, default=1, choices=(1, 2), help="ranks per host (1: ep crosses hosts)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--traced", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--prefix", default="npt-a2a-")
+    p.add_argument("--out", default=None, help="write every row to this JSON")
+    args, rest = p.parse_known_args()
+    if args.worker:
+        return worker(rest)
+    import cluster_layouts as cl
+    from numpitron.plan.devices import load_device
+    cpu = load_device("this-machine")
+    intra, infiniband = cl.scaled_rates(cpu.peak_flops)
+    rows, per_host = [], args.hosts_of
+    for multiple in (float(r) for r in args.rates.split(",")):
+        inter = infiniband * multiple
+        cl.scaled_cluster(4 // per_host, per_host, inter, intra, prefix=args.prefix)
+        alpha_inter, beta_inter = cl.link_fit(1, args.prefix)
+        alpha_intra, beta_intra = cl.link_fit(2, args.prefix) if per_host > 1 else (0.0, intra)
+        fits = {"per_host": per_host, "alpha_inter_s": alpha_inter, "beta_inter_bytes_s": beta_inter,
+                "alpha_intra_s": alpha_intra, "beta_intra_bytes_s": beta_intra}
+        for round_ in range(args.rounds):
+            runs = {}
+            for overlap in ("--moe-a2a-overlap", "--no-moe-a2a-overlap"):
+                flags = MODEL + MESH + BATCH + [overlap]
+                start = time.time()
+                out = cl.cluster("run", "-n", "4", "--", sys.executable, __file__, "--worker", "--warmup",
+                                 str(args.warmup), "--iters", str(args.iters), "--traced", str(args.traced), *flags,
+                                 prefix=args.prefix)
+                runs[overlap] = {**json.loads(out.strip().splitlines()[-1]), "wall_s": time.time() - start}
+            on, off = runs["--moe-a2a-overlap"], runs["--no-moe-a2a-overlap"]
+            waited_off = max(r["waited_s"] for r in off["per_rank"])
+            plan = planned(MODEL + MESH + BATCH + ["--moe-a2a-overlap"], cpu, fits, on["sgemm_gflops_per_rank"])
+            row = {"inter_multiple": multiple, "inter_mbit_s": 8 * inter / 1e6, "round": round_, **fits,
+                   "paired_ms": on["ms_median"], "unpaired_ms": off["ms_median"],
+                   "a2a_waited_unpaired_ms": 1e3 * waited_off,
+                   "hidden_share_from_steps": (off["ms_median"] - on["ms_median"]) / (1e3 * waited_off)
+                   if waited_off else None,
+                   "hidden_share_from_trace": [r["hidden_s"] / r["in_flight_s"] if r["in_flight_s"] else None
+                                               for r in on["per_rank"]],
+                   "hidden_share_planned": [s["hidden"] / s["all_to_all"] for s in plan["stages"]],
+                   "planned_step_ms": plan["step_ms"], "runs": runs, "planned": plan}
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("runs", "planned")}), flush=True)
+    cl.cluster("down", prefix=args.prefix, check=False)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+    for r in rows:
+        trace = [round(x, 2) for x in r["hidden_share_from_trace"] if x is not None]
+        steps = r["hidden_share_from_steps"]
+        print(f"{r['inter_mbit_s']:.1f} Mbit/s: paired {r['paired_ms']:.0f} ms, unpaired {r['unpaired_ms']:.0f} ms; "
+              f"hidden share from steps {steps if steps is None else round(steps, 2)}, from the trace (per rank) {trace}, "
+              f"planned (per stage) {[round(x, 2) for x in r['hidden_share_planned']]}")
+
+
+if __name__ == "__main__":
+    main()
