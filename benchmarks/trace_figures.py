@@ -3,10 +3,10 @@ predicted trace of the same step (docs/18-traces.md): `make figures` runs it.
 
     python benchmarks/trace_figures.py [--data-dir data] [--only NAME ...]
 
-For every figure below: train_shakespeare.py on a small model and 2 ranks, one
-iteration traced (`--trace`, after two that warm up), then `python -m numpitron.plan`
-with the same model and layout flags and `--trace`, drawn measured above predicted on
-one time axis (numpitron/trace/draw.py) into docs/figures/NAME.svg. The summaries of
+For every figure below: train_shakespeare.py on a small model and 2 ranks, three
+iterations traced (`--trace`) after two that warm up, of which the median step is
+drawn, then `python -m numpitron.plan` with the same model and layout flags and
+`--trace`, drawn measured above predicted on one time axis (numpitron/trace/draw.py) into docs/figures/NAME.svg. The summaries of
 both (`trace summary`) go to docs/figures/trace_figures.json, which the chapters quote.
 
     trace_schedules.svg    1F1B, interleaved and DualPipeV on 2 stages   chapter 9
@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,8 +35,10 @@ from figures import FIGURES, REPO, launch, machine  # noqa: E402  (benchmarks/ i
 # is not all call overhead.
 MODEL = ["--n-layers", "4", "--n-heads", "4", "--d-model", "64", "--seq-len", "64", "--micro-batch-size", "4"]
 PP = ["--pipeline-parallel-size", "2"]
-TRACED = 3             # the iteration drawn: two warm up
-# name -> (chapter, title, [(panel label, ranks, layout flags, traced iteration)])
+# Three iterations traced after two that warm up; the figure draws the one whose step (on
+# rank 0) is the median of the three, so that one moment of a busy machine does not make it.
+TRACED = range(3, 6)
+# name -> (chapter, title, [(panel label, ranks, layout flags, the iterations traced)])
 CASES = {
     "trace_schedules": ("09-pipeline-schedules.md", "Pipeline schedules, 2 stages, 8 micro-batches", [
         ("1F1B", 2, PP + ["--global-batch-size", "32", "--pipeline-schedule", "1f1b"], TRACED),
@@ -59,7 +62,7 @@ CASES = {
                                                        "--bucket-size", "20000"], TRACED),
         ("DiLoCo, 2 replicas, H = 2: a round's last step", 2, [
             "--data-parallel-size", "2", "--global-batch-size", "16", "--diloco-replicas", "2",
-            "--diloco-inner-steps", "2"], 4)]),
+            "--diloco-inner-steps", "2"], range(4, 9, 2))]),
 }
 
 
@@ -89,23 +92,33 @@ def with_model(flags: list) -> list:
     return [word for pair in pairs if pair[0] not in flags for word in pair] + flags
 
 
-def traced_pair(data_dir: Path, ranks: int, flags: list, iteration: int, tmp: Path,
-                rate: float | None = None) -> tuple[dict, dict]:
-    """(measured, predicted) traces of one layout's step (on the cluster when `rate`)."""
+def traced_pair(data_dir: Path, ranks: int, flags: list, iterations: range, tmp: Path,
+                rate: float | None = None) -> tuple[int, dict, dict]:
+    """(the iteration drawn, measured, predicted) traces of one layout's step (on the
+    cluster when `rate`)."""
     measured, predicted = tmp / "measured.json", tmp / "predicted.json"
     where = ([sys.executable, "-m", "numpitron.cluster", "--prefix", PREFIX, "run", "-n", str(ranks), "--per-host",
               "1", "--"] if rate else [])
     device = ["--device", str(cluster_device(rate, tmp / "device.json"))] if rate else []
     subprocess.run(where + launch(ranks if not rate else 1, "train_shakespeare.py", with_model(flags) + [
-        "--max-iters", str(iteration + 1), "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "1",
+        "--max-iters", str(iterations[-1] + 1), "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "1",
         "--data-dir", str(data_dir), "--out-dir", str(tmp / "out"), "--no-progress", "--trace", str(measured),
-        "--trace-iters", f"{iteration}:{iteration + 1}"]), check=True, cwd=REPO, capture_output=True)
-    subprocess.run(launch(1, "-m", ["numpitron.plan", *with_model(flags), *device, "--trace", str(predicted)]), check=True,
-                   cwd=REPO, capture_output=True)
-    return json.loads(measured.read_text()), json.loads(predicted.read_text())
+        "--trace-iters", f"{iterations[0]}:{iterations[-1] + 1}"]), check=True, cwd=REPO, capture_output=True)
+    subprocess.run(launch(1, "-m", ["numpitron.plan", *with_model(flags), *device, "--trace", str(predicted)]),
+                   check=True, cwd=REPO, capture_output=True)
+    trace = json.loads(measured.read_text())
+    steps = sorted((e["dur"], e["args"]["iteration"]) for e in trace["traceEvents"] if e["ph"] == "X"
+                   and e["pid"] == 0 and e["name"] == "step" and e["cat"] == "step"
+                   and e["args"]["iteration"] in iterations)
+    return steps[len(steps) // 2][1], trace, json.loads(predicted.read_text())
 
 
 def footer(flags: list, rate: float | None, panels: int) -> str:
+    return "\n".join(textwrap.fill(line, 160, subsequent_indent="    ", break_on_hyphens=False) for line in
+                     footer_lines(flags, rate, panels).splitlines())
+
+
+def footer_lines(flags: list, rate: float | None, panels: int) -> str:
     where = (f"python -m numpitron.cluster run -n 2 --per-host 1 -- (2 hosts, {rate / 1e6:.0f} Mbit/s between them) "
              if rate else "mpiexec -n 2 ")
     return (f"measured: {where}python train_shakespeare.py {' '.join(with_model(flags))} --trace FILE.json"
@@ -125,15 +138,15 @@ def draw_figure(plt, name: str, data_dir: Path, out_dir: Path = FIGURES) -> dict
         cluster("down")
         cluster("up", "--hosts", "2", "--ranks-per-host", "1", "--inter-host-rate", f"{rate / 1e6:.0f}mbit")
     try:
-        for label, ranks, flags, iteration in runs:
+        for label, ranks, flags, iterations in runs:
             with tempfile.TemporaryDirectory() as tmp:
-                pairs.append((label, flags, iteration, *traced_pair(data_dir, ranks, flags, iteration, Path(tmp), rate)))
+                pairs.append((label, flags, *traced_pair(data_dir, ranks, flags, iterations, Path(tmp), rate)))
     finally:
         if rate:
             cluster("down")
     heights = [len(rows_of(trace, it if kind == 0 else None)[0]) + 1.5
                for _, _, it, *traces in pairs for kind, trace in enumerate(traces)]
-    fig, axes = plt.subplots(len(heights), 1, figsize=(11, 0.32 * sum(heights) + 1.2),
+    fig, axes = plt.subplots(len(heights), 1, figsize=(11, 0.32 * sum(heights) + 1.6),
                              gridspec_kw={"height_ratios": heights})
     out = {}
     for i, (label, flags, iteration, measured, predicted) in enumerate(pairs):
@@ -143,11 +156,14 @@ def draw_figure(plt, name: str, data_dir: Path, out_dir: Path = FIGURES) -> dict
         for ax in (top, bottom):
             ax.set_xlim(0, max(length, planned))
             ax.set_xlabel("ms from the step's start")
-        out[label] = {"measured": summarize(measured), "predicted": summarize(predicted),
+        out[label] = {"measured": [r for r in summarize(measured) if r["iteration"] == iteration],
+                      "predicted": summarize(predicted),
                       "planner_step_ms": predicted["otherData"]["planner_step_ms"]}
     fig.suptitle(title)
-    fig.text(0.01, 0.002, footer(runs[0][2], rate, len(runs)), fontsize=7, color="#555555", va="bottom")
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    footer_text = footer(runs[0][2], rate, len(runs))
+    fig.text(0.01, 0.002, footer_text, fontsize=7, color="#555555", va="bottom")
+    height = fig.get_figheight()           # inches: room for the footer's three lines and the title
+    fig.tight_layout(rect=(0, (0.25 + 0.12 * footer_text.count("\n")) / height, 1, 1 - 0.15 / height))
     fig.savefig(out_dir / f"{name}.svg", bbox_inches="tight")
     plt.close(fig)
     return out

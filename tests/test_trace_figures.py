@@ -35,20 +35,20 @@ def exposed_ms(figure, label, group, kind="measured"):
 SCHEDULES, SLOW = trace_figures.CASES["trace_schedules"][2], trace_figures.CASES["trace_slow_link"][2]
 # (chapter, phrase as the page writes it, the number it quotes, tolerance, where it comes from)
 QUOTES = [
-    ("03-data-parallelism.md", "hidden behind the backward for 23% of rank 0's step", 23, 0.5,
+    ("03-data-parallelism.md", "hidden behind the backward for 19% of rank 0's step", 19, 0.5,
      percent("trace_buckets", trace_figures.CASES["trace_buckets"][2][0][0], "hidden", "dp_cp")),
-    ("04-tensor-parallelism.md", "waited 55% of its step in tp's collectives", 55, 0.5,
+    ("04-tensor-parallelism.md", "waited 68% of its step in tp's collectives", 68, 0.5,
      percent("trace_tp_overlap", trace_figures.CASES["trace_tp_overlap"][2][0][0], "exposed", "tp")),
-    ("07-zero-2-and-3.md", "a gather in flight for 26% of rank 0's step", 26, 0.5,
+    ("07-zero-2-and-3.md", "a gather in flight for 40% of rank 0's step", 40, 0.5,
      percent("trace_zero3", trace_figures.CASES["trace_zero3"][2][0][0], "hidden", "dp_shard")),
-    ("09-pipeline-schedules.md", "1F1B's measured bubble, 33%", 33, 0.5,
+    ("09-pipeline-schedules.md", "1F1B's measured bubble, 41%", 41, 0.5,
      percent("trace_schedules", SCHEDULES[0][0], "bubble")),
     ("09-pipeline-schedules.md", "the planner's timeline 15%", 15, 0.5,
      percent("trace_schedules", SCHEDULES[0][0], "bubble", kind="predicted")),
-    ("10-context-parallelism.md", "still waits 31% of its step on the ring", 31, 0.5,
+    ("10-context-parallelism.md", "still waits 45% of its step on the ring", 45, 0.5,
      percent("trace_ring", trace_figures.CASES["trace_ring"][2][0][0], "exposed", "cp_ring")),
-    ("17-across-slow-links.md", "plain dp waits 56 ms a step", 56, 0.5, exposed_ms("trace_slow_link", SLOW[0][0], "dp_cp")),
-    ("17-across-slow-links.md", "DiLoCo's round-end waits 84 ms", 84, 0.5,
+    ("17-across-slow-links.md", "plain dp waits 74 ms a step", 74, 0.5, exposed_ms("trace_slow_link", SLOW[0][0], "dp_cp")),
+    ("17-across-slow-links.md", "DiLoCo's round-end waits 68 ms", 68, 0.5,
      exposed_ms("trace_slow_link", SLOW[1][0], "diloco")),
     ("17-across-slow-links.md", "the planner's 35 ms a step", 35, 0.5,
      exposed_ms("trace_slow_link", SLOW[1][0], "all", "predicted")),
@@ -68,9 +68,10 @@ def test_every_trace_figure_is_drawn_beside_its_prediction_and_in_its_chapter(na
     assert "benchmarks/trace_figures.py" in (REPO / "benchmarks/figures.py").read_text()      # `make figures` runs it
     assert f"    {name}.svg " in trace_figures.__doc__          # the list tests/test_docs.py reads
     assert sorted(NUMBERS[name]) == sorted(label for label, *_ in runs)
-    for label, ranks, _, iteration in runs:
+    for label, ranks, _, iterations in runs:
         measured, predicted = NUMBERS[name][label]["measured"], NUMBERS[name][label]["predicted"]
-        assert [r["rank"] for r in measured] == list(range(ranks)) and {r["iteration"] for r in measured} == {iteration}
+        assert [r["rank"] for r in measured] == list(range(ranks)) and len({r["iteration"] for r in measured}) == 1
+        assert measured[0]["iteration"] in iterations
         assert predicted and all(abs(share_sum(r) - 1) < 1e-9 for r in measured + predicted)
 
 

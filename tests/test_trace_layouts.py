@@ -1,6 +1,7 @@
 """Traces of the layouts test_trace.py leaves out (numpitron/trace/, docs/18-traces.md):
 experts, ZeRO-3, a V schedule and DiLoCo's replicas. Each traced run's file is valid,
-its bytes are the run's own counters, its summary partitions every step, and on the V
+its bytes are the run's own counters, its step the loop's within 2%, its summary
+partitions every step, and on the V
 schedule the idle share is the executor's bubble; DiLoCo's outer all-reduce has its own
 track, with the bytes `diloco_bytes` counts."""
 
@@ -57,8 +58,10 @@ def test_a_traced_layout_is_valid_counts_its_bytes_and_partitions_its_steps(trac
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"
              and e["name"] == "process_name"}
     assert sorted(names) == [0, 1], names          # a process per rank of the job, replicas included
-    for it, step in steps_of(trace, 0).items():    # rank 0 writes metrics.jsonl: its counters
+    for it, step in steps_of(trace, 0).items():    # rank 0 writes metrics.jsonl: its counters and step time
         assert sum(e["args"]["bytes"] for e in comm_inside(trace, 0, step)) == rows[it]["comm_bytes"] > 0, it
+        measured_us = rows[it]["global_batch_size"] * 16 / rows[it]["tokens_per_s"] * 1e6
+        assert abs(step["dur"] - measured_us) <= 0.02 * measured_us, (it, step["dur"], measured_us)
     summary = summarize(trace)
     assert [(r["rank"], r["iteration"]) for r in summary] == [(rank, it) for rank in (0, 1) for it in TRACED]
     assert all(abs(share_sum(r) - 1) < 1e-9 for r in summary)
