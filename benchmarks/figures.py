@@ -394,7 +394,15 @@ ALONE = {
     "hsdp_rates": lambda plt, data_dir, iters: hsdp_rates(plt),
     "race": lambda plt, data_dir, iters: race(plt),
     "traced_pipeline": lambda plt, data_dir, iters: traced_pipeline(plt, data_dir),
+    "trace_figures": lambda plt, data_dir, iters: trace_figures(data_dir),
 }
+
+
+def trace_figures(data_dir: Path) -> str:
+    """The chapters' traced timelines beside their predictions: benchmarks/trace_figures.py
+    draws them and keeps their numbers in trace_figures.json."""
+    subprocess.run([sys.executable, "benchmarks/trace_figures.py", "--data-dir", str(data_dir)], check=True, cwd=REPO)
+    return "docs/figures/trace_figures.json"
 
 
 def main():
@@ -450,6 +458,7 @@ def main():
     data["precision_drift"] = precision_drift(plt, Path(args.data_dir).resolve(), 20 if args.quick else 200)
     data["race"] = race(plt)
     data["traced_pipeline"] = traced_pipeline(plt, Path(args.data_dir).resolve())
+    data["trace_figures"] = trace_figures(Path(args.data_dir).resolve())
     (FIGURES / "figures.json").write_text(json.dumps(data, indent=1) + "\n")
     print(f"wrote {', '.join(sorted(p.name for p in FIGURES.glob('*.svg')))} and figures.json in {FIGURES}")
 

@@ -14,7 +14,8 @@ from numpitron.trace.comm_probe import IN_FLIGHT
 from numpitron.trace.recorder import COMPUTE
 
 GROUP_ORDER = ("world", "tp", "cp", "cp_ulysses", "cp_ring", "ep", "dp", "dp_cp", "dp_shard", "dp_replica",
-               "expert_dp", "expert_dp_shard", "pp", "embedding", "model", "expert_model", "dp_shard_model")
+               "expert_dp", "expert_dp_shard", "pp", "embedding", "model", "expert_model", "dp_shard_model",
+               "diloco", "diloco_metrics")
 
 
 def microseconds(seconds: float) -> float:

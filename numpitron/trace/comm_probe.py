@@ -22,12 +22,17 @@ PEER = {"send": "dest", "isend": "dest", "recv": "source", "irecv": "source"}   
 IN_FLIGHT = " in flight"
 
 
-def groups_of(topo) -> dict:
+def groups_of(topo, features=()) -> dict:
     """{group name: Comm} for the world and every group of the topology with more than
-    one rank (a group of one counts and moves nothing)."""
+    one rank (a group of one counts and moves nothing), DiLoCo's group across the
+    replicas ("diloco", the outer all-reduce), and the communicators the step's features
+    hold of their own (DiLoCo's averaged loss: "diloco_metrics"), under their names."""
+    from numpitron.distributed.comm import Comm
     from numpitron.distributed.groups import GROUPS
+    from numpitron.diloco.replicas import replicas_of
     found = {"world": topo.world, "embedding": topo.embedding_comm,
-             **{name: getattr(topo, f"{name}_comm") for name in GROUPS}}
+             **{name: getattr(topo, f"{name}_comm") for name in GROUPS}, "diloco": replicas_of(topo).comm}
+    found.update({c.name: c for f in features for c in vars(f).values() if isinstance(c, Comm) and c.name not in found})
     seen, out = set(), {}
     for name, comm in found.items():
         if comm.size > 1 and id(comm) not in seen:
@@ -39,8 +44,8 @@ def groups_of(topo) -> dict:
 class CommProbe:
     """Installed on a topology's communicators by `install`; `installed` says where."""
 
-    def __init__(self, recorder, topo):
-        self.rec, self.topo = recorder, topo
+    def __init__(self, recorder, topo, features=()):
+        self.rec, self.topo, self.features = recorder, topo, features
         self.counted = []          # (collective, bytes) the call in progress added to the counters
         self.busy = False          # inside a recorded call: a call it makes is its own part
         self.sent = {}             # (group, src, dst, tag) -> messages so far (sent or received): the arrows' keys
@@ -54,7 +59,7 @@ class CommProbe:
                     self.counted.append((collective, nbytes))
             return counting_add
         self.patches.wrap(self.topo.stats, "add", counting)
-        for group, comm in groups_of(self.topo).items():
+        for group, comm in groups_of(self.topo, self.features).items():
             world_of = self._world_ranks(comm)
             for method in BLOCKING + STARTING:
                 self.patches.wrap(comm, method, partial(self._wrap, comm, group, method, world_of=world_of))
@@ -66,7 +71,7 @@ class CommProbe:
 
     def _world_ranks(self, comm) -> list[int]:
         from mpi4py import MPI
-        world = self.topo.world.mpi.Get_group()
+        world = self.topo.job.mpi.Get_group()       # the job's ranks: with DiLoCo, every replica's
         return MPI.Group.Translate_ranks(comm.mpi.Get_group(), list(range(comm.size)), world)
 
     def _arrow(self, group: str, method: str, world_of, args, kwargs) -> tuple:
@@ -74,7 +79,7 @@ class CommProbe:
         for the k-th such message (MPI keeps their order), and which end this is."""
         peer = kwargs.get(PEER[method], args[1] if len(args) > 1 else None)
         tag = kwargs.get("tag", args[2] if len(args) > 2 else 0)
-        me, other = self.topo.rank, world_of[peer]
+        me, other = self.topo.job.rank, world_of[peer]
         src, dst = (me, other) if method in ("send", "isend") else (other, me)
         base = (group, src, dst, tag)
         k = self.sent[base] = self.sent.get(base, -1) + 1

@@ -7,7 +7,8 @@ numbers): each stage's micro-batch at its priced compute time t (a forward t/3, 
 backward 2t/3, each half t/3, as the schedule's unit costs have it), the schedule run
 by the same timeline that proves it deadlock-free (pipeline_parallel/timeline.py), a
 stage's wait for its neighbour as a receive on its `pp` track, then the step's exposed
-communication as one span and the optimizer step. A process per
+communication as one span and the optimizer step; the communication the planner
+hides, as in flight during the schedule's end. A process per
 pipeline stage, numbered as the stage's first global rank, as in a measured trace.
 
 The layout is the planner's, not a measurement's: its sum is the planner's step only
@@ -63,6 +64,14 @@ def predicted_trace(result: dict, schedule: str, virtual_stages: int, hostname: 
             free = float(end)
         exposed, optimizer = t["exposed_comm"], t["optimizer"] + t["newton_schulz"]
         step = makespan + exposed + optimizer
+        # What the planner hides (its links' seconds beyond the exposed ones: the buckets
+        # but the last behind the backward) as in flight until the schedule ends.
+        hidden = max(0.0, sum(tier["seconds"] for tier in info["tiers"].values()) - exposed)
+        if hidden > 0:
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": 3, "ts": 0,
+                           "args": {"name": "all in flight"}})
+            span(pid, "hidden communication", "comm", max(0.0, makespan - hidden), makespan, track=3, group="all",
+                 bytes=0, blocking=False)
         span(pid, "forward and backward", "step", 0.0, makespan)
         span(pid, "finalize grads", "compute", makespan, makespan)
         span(pid, "exposed communication", "wait", makespan, makespan + exposed, track=1, group="all")

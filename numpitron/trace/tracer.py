@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from numpitron.distributed.agree import on_every_rank
+from numpitron.diloco.replicas import replicas_of
 from numpitron.errors import UserError
 from numpitron.trace.chrome import merge
 from numpitron.trace.clock import ROUNDS, measure_offsets, to_rank_zero
@@ -50,9 +51,9 @@ class TraceRequest(NamedTuple):
         """Collective: every rank learns if rank 0, which writes the file, cannot."""
         def writable():
             parent = Path(self.path).resolve().parent
-            if trainer.topo.rank == 0 and not (parent.is_dir() and os.access(parent, os.W_OK)):
+            if trainer.topo.job.rank == 0 and not (parent.is_dir() and os.access(parent, os.W_OK)):
                 raise UserError(f"--trace {self.path}: {parent} is not a directory this process can write into")
-        on_every_rank(trainer.topo.world, writable)
+        on_every_rank(trainer.topo.job, writable)
         first = trainer.iteration + 2
         window = self.iterations or (first, first + TRACED_BY_DEFAULT)
         return Tracer(self.path, window, trainer)
@@ -65,8 +66,9 @@ class Tracer:
     def __init__(self, path, window: tuple[int, int], trainer):
         self.path, self.window, self.topo = path, window, trainer.topo
         self.rec = Recorder()
-        self.clock_before = measure_offsets(self.topo.world)       # collective: every rank builds its Tracer
-        self.comm, self.stage = CommProbe(self.rec, self.topo), StageProbe(self.rec, trainer)
+        self.clock_before = measure_offsets(self.topo.job)         # collective: every rank builds its Tracer
+        self.comm = CommProbe(self.rec, self.topo, trainer.features)
+        self.stage = StageProbe(self.rec, trainer)
         self.installed = False
         self.traced = []               # the iterations recorded
 
@@ -120,17 +122,19 @@ class Tracer:
                 span[5]["hidden_ms"] = max(0.0, (span[4] - span[3]) * 1e3 - span[5]["waited_ms"])
         topo = self.topo
         self.uninstall()
-        clock_after = measure_offsets(topo.world)
-        record = {"rank": topo.rank, "host": topo.hostnames[topo.rank], "spans": self.rec.spans,
-                  "flows": self.rec.flows, "coords": {"pp": topo.pp_rank, "dp": topo.dp_rank, "cp": topo.cp_rank,
-                                                      "tp": topo.tp_rank}}
-        records = topo.world.gather_object(record)
-        on_every_rank(topo.world, lambda: self._write(records, clock_after) if topo.rank == 0 else None)
+        clock_after = measure_offsets(topo.job)
+        replicas = replicas_of(topo)         # DiLoCo: the job is every replica's ranks, a process each
+        coords = {"pp": topo.pp_rank, "dp": topo.dp_rank, "cp": topo.cp_rank, "tp": topo.tp_rank}
+        record = {"rank": topo.job.rank, "host": topo.hostnames[topo.rank], "spans": self.rec.spans,
+                  "flows": self.rec.flows, "coords": {"replica": replicas.index, **coords} if replicas.count > 1
+                  else coords}
+        records = topo.job.gather_object(record)
+        on_every_rank(topo.job, lambda: self._write(records, clock_after, replicas.count) if topo.job.rank == 0
+                      else None)
 
-    def _write(self, records: list, clock_after: list) -> None:
-        topo = self.topo
+    def _write(self, records: list, clock_after: list, replicas: int) -> None:
         clocks = [to_rank_zero(b, a) for b, a in zip(self.clock_before, clock_after)]
-        other = {"iterations": self.traced, "mesh": dict(topo.mesh._asdict()),
+        other = {"iterations": self.traced, "mesh": dict(self.topo.mesh._asdict()), "diloco_replicas": replicas,
                  "clock": {"method": f"ping-pong against rank 0, the shortest of {ROUNDS} round trips; the error "
                                      f"bound is half of it",
                            "offset_us": [[round(b["offset_s"] * 1e6, 3), round(a["offset_s"] * 1e6, 3)]
