@@ -9,12 +9,12 @@ drawn, then `python -m numpitron.plan` with the same model and layout flags and
 `--trace`, drawn measured above predicted on one time axis (numpitron/trace/draw.py) into docs/figures/NAME.svg. The summaries of
 both (`trace summary`) go to docs/figures/trace_figures.json, which the chapters quote.
 
-    trace_schedules.svg    1F1B, interleaved and DualPipeV on 2 stages   chapter 9
+    trace_schedules.svg    1F1B, interleaved and DualPipeV on 2 stages   chapter 11
     trace_buckets.svg      dp = 2, the buckets' all-reduces               chapter 3
-    trace_zero3.svg        ZeRO-3's prefetched gathers                    chapter 7
+    trace_zero3.svg        ZeRO-3's prefetched gathers                    chapter 9
     trace_tp_overlap.svg   tp = 2, the backward's sums in flight          chapter 4
-    trace_ring.svg         cp = 2, ring attention's transfers             chapter 10
-    trace_slow_link.svg    plain dp and DiLoCo across a 100 Mbit/s link   chapter 17
+    trace_ring.svg         cp = 2, ring attention's transfers             chapter 12
+    trace_slow_link.svg    plain dp and DiLoCo across a 100 Mbit/s link   chapter 18
                            (on the simulated cluster: root and iproute2)
 """
 
