@@ -56,7 +56,7 @@ def quartiles(values) -> list[float]:
 def main():
     args = benchmark.parse_args()
     world = MPI.COMM_WORLD
-    trainer = benchmark.build_trainer(args)
+    trainer = benchmark.trainer_from_args(args)
     tokens = np.random.default_rng(0).integers(0, benchmark.VOCAB, benchmark.N_TOKENS).astype(np.uint16)
     tracer = Tracer(os.devnull, (1, 1 << 30), trainer)      # every iteration traced that begins as one
     spans_per_step = []
