@@ -84,7 +84,8 @@ class ChunkPair:
                 self._give_turn(i, 1 - i)
 
         self.alive, self.running, self.held = [True, True], 0, [0.0, 0.0]
-        threads = [threading.Thread(target=chunk, args=(i, work)) for i, work in enumerate((first, second))]
+        threads = [threading.Thread(target=chunk, args=(i, work), name=f"paired chunk {i + 1}")
+                   for i, work in enumerate((first, second))]
         for thread in threads:
             thread.start()
         for thread in threads:

@@ -14,12 +14,20 @@ collective gets its end when it is waited for). Categories:
     loop         evaluation, checkpoint saves
 """
 
+import threading
 import time
 from contextlib import contextmanager
 
 now = time.perf_counter
 
 COMPUTE = "compute"          # the computation track's name
+
+
+def compute_track() -> str:
+    """The computation track; inside a pair of chunks (chunk_pairing/) each chunk's own,
+    since the two chunks take turns and their spans would overlap on one track."""
+    thread = threading.current_thread()
+    return COMPUTE if thread is threading.main_thread() else f"{COMPUTE}, {thread.name}"
 
 
 class Recorder:

@@ -5,7 +5,7 @@ Instance-level wrappers on the built stage, its layers and the trainer's step ru
 and one `StepFeature` that marks the step's phases; the classes stay as they are."""
 
 from numpitron.pipeline_parallel.schedules import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, make_schedule
-from numpitron.trace.recorder import COMPUTE, Patches, now
+from numpitron.trace.recorder import COMPUTE, Patches, compute_track, now
 from numpitron.trainer import StepFeature
 
 # The stage's methods, and the executor's name for the operation each one runs.
@@ -83,7 +83,7 @@ class StageProbe(StepFeature):
                 return call(*args, chunk=chunk, **kwargs)
             finally:
                 name = op if mb is None else f"{op} {mb}"
-                rec.add(name if rec.phase == "train" else f"{op} (eval)", "compute", COMPUTE, start, now(),
+                rec.add(name if rec.phase == "train" else f"{op} (eval)", "compute", compute_track(), start, now(),
                         {"op": op, **self.current, "virtual_stage": self.trainer.model.placement.stage(
                             self.trainer.topo.pp_rank, chunk)})
         return traced
@@ -105,5 +105,5 @@ class StageProbe(StepFeature):
             try:
                 return call(*a, **kwargs)
             finally:
-                rec.add(name, category, COMPUTE, start, now(), args())
+                rec.add(name, category, compute_track(), start, now(), args())
         return traced
