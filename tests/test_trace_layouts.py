@@ -84,7 +84,7 @@ def test_the_v_schedules_idle_share_is_the_executors_bubble(traced):
     measured = {r["iteration"]: r["bubble"] for r in summarize(trace) if r["rank"] == 0}
     assert sorted(measured) == TRACED
     # A preemption between the executor's clock and the trace's can move one iteration on a
-    # loaded machine (CI saw one at 3 points): the median over the traced ones holds to 2.
+    # loaded machine (CI saw one outside 2 points): the median over the traced ones holds to 2.
     gaps = sorted(abs(b - rows[it]["bubble"]) for it, b in measured.items())
     assert gaps[len(gaps) // 2] <= 0.02 and gaps[-1] <= 0.05, (measured, rows)
 
