@@ -10,36 +10,19 @@ import pytest
 
 from tests.conftest import REPO
 from tests.harness import PYTHON, assert_on_every_rank, assert_valid_trace, train_script
+from tests.trace_runs import TRACED, steps_of, traced_runs
 
 LAYOUTS = {"pp2": ["--pipeline-parallel-size", "2", "--global-batch-size", "16"],
            "dp2": ["--data-parallel-size", "2", "--global-batch-size", "16", "--bucket-size", "2000"],
            "tp2": ["--tensor-parallel-size", "2", "--global-batch-size", "8"]}
-TRACED = [2, 3, 4]
 BUBBLE_TOLERANCE = 0.02
-_runs = {}
 
 
 @pytest.fixture(scope="module")
 def traced(data_dir, tmp_path_factory):
-    """layout -> (trace, metrics rows by iteration): train_shakespeare.py on two ranks,
-    iterations 2-4 traced (an evaluation and a checkpoint save at 3), run once a layout."""
-    def run(layout):
-        if layout not in _runs:
-            out = tmp_path_factory.mktemp(layout)
-            result = train_script(data_dir, out / "run", "--max-iters", "5", "--eval-interval", "3",
-                                  "--trace", str(out / "trace.json"), "--trace-iters", "2:5", *LAYOUTS[layout],
-                                  nprocs=2)
-            assert result.returncode == 0, result.stderr
-            rows = [json.loads(line) for line in (out / "run/metrics.jsonl").read_text().splitlines()]
-            _runs[layout] = (json.loads((out / "trace.json").read_text()), {r["iter"]: r for r in rows},
-                             out / "trace.json")
-        return _runs[layout]
-    return run
-
-
-def steps_of(trace, pid):
-    return {e["args"]["iteration"]: e for e in trace["traceEvents"]
-            if e["ph"] == "X" and e["pid"] == pid and e["name"] == "step" and e["cat"] == "step"}
+    """layout -> (trace, metrics rows by iteration, trace path); an evaluation and a
+    checkpoint save at iteration 3."""
+    return traced_runs(data_dir, tmp_path_factory, LAYOUTS, eval_interval=3)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

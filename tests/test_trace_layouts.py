@@ -5,12 +5,11 @@ partitions every step, and on the V
 schedule the idle share is the executor's bubble; DiLoCo's outer all-reduce has its own
 track, with the bytes `diloco_bytes` counts."""
 
-import json
-
 import pytest
 
 from numpitron.trace.summary import share_sum, summarize
-from tests.harness import assert_valid_trace, train_script
+from tests.harness import assert_valid_trace
+from tests.trace_runs import TRACED, steps_of, traced_runs
 
 LAYOUTS = {
     "experts": ["--data-parallel-size", "2", "--global-batch-size", "16", "--num-experts", "2",
@@ -21,29 +20,12 @@ LAYOUTS = {
     "diloco": ["--data-parallel-size", "2", "--global-batch-size", "16", "--diloco-replicas", "2",
                "--diloco-inner-steps", "2"],
 }
-TRACED = [2, 3, 4]
-_runs = {}
 
 
 @pytest.fixture(scope="module")
 def traced(data_dir, tmp_path_factory):
-    """layout -> (trace, metrics rows by iteration), iterations 2-4 of 5 traced."""
-    def run(layout):
-        if layout not in _runs:
-            out = tmp_path_factory.mktemp(layout)
-            result = train_script(data_dir, out / "run", "--max-iters", "5", "--eval-interval", "100",
-                                  "--trace", str(out / "trace.json"), "--trace-iters", "2:5", *LAYOUTS[layout],
-                                  nprocs=2)
-            assert result.returncode == 0, result.stderr
-            rows = [json.loads(line) for line in (out / "run/metrics.jsonl").read_text().splitlines()]
-            _runs[layout] = json.loads((out / "trace.json").read_text()), {r["iter"]: r for r in rows}
-        return _runs[layout]
-    return run
-
-
-def steps_of(trace, pid):
-    return {e["args"]["iteration"]: e for e in trace["traceEvents"]
-            if e["ph"] == "X" and e["pid"] == pid and e["name"] == "step" and e["cat"] == "step"}
+    """layout -> (trace, metrics rows by iteration, trace path), no evaluation inside."""
+    return traced_runs(data_dir, tmp_path_factory, LAYOUTS, eval_interval=100)
 
 
 def comm_inside(trace, pid, step):
@@ -53,7 +35,7 @@ def comm_inside(trace, pid, step):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_traced_layout_is_valid_counts_its_bytes_and_partitions_its_steps(traced, layout):
-    trace, rows = traced(layout)
+    trace, rows, _ = traced(layout)
     assert_valid_trace(trace)
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"
              and e["name"] == "process_name"}
@@ -80,7 +62,7 @@ def test_the_traced_groups_are_the_layouts(traced):
 def test_the_v_schedules_idle_share_is_the_executors_bubble(traced):
     """As test_trace.py's 1F1B case: the same operations against the same window, within
     the same 2 points a loaded machine leaves."""
-    trace, rows = traced("dualpipev")
+    trace, rows, _ = traced("dualpipev")
     measured = {r["iteration"]: r["bubble"] for r in summarize(trace) if r["rank"] == 0}
     assert sorted(measured) == TRACED
     # A preemption between the executor's clock and the trace's can move one iteration on a
@@ -93,7 +75,7 @@ def test_dilocos_outer_all_reduce_is_its_own_track_with_its_bytes(traced):
     """H = 2: iterations 2 and 4 end a round. On each rank the diloco group's all-reduce
     is there, with 2 (R-1)/R of the parameters' bytes, in those steps and no other, and
     rank 0's equal the diloco_bytes its metrics count; each replica is named."""
-    trace, rows = traced("diloco")
+    trace, rows, _ = traced("diloco")
     names = [e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
     assert sorted(n.split(" (")[1].split(",")[0] for n in names) == ["replica 0", "replica 1"], names
     tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
