@@ -121,8 +121,7 @@ def predict(args, calibration: dict, intra: float, inter: float) -> dict:
 
 
 def link_bytes(spec) -> int:
-    c = link_counters(spec, 0)
-    return c["tx_bytes"] + c["rx_bytes"]
+    return sum(link_counters(spec, 0)[key] for key in ("tx_bytes", "rx_bytes"))
 
 
 class Sampler(threading.Thread):
@@ -158,8 +157,7 @@ def window(name: str, args, spec, predicted_s: float) -> dict:
     else:
         warmup = 2 if predicted_s < 5 else 1
         iters = args.iters or max(3, min(12, round(args.window / predicted_s)))
-    sampler = Sampler(spec, args.sample)
-    sampler.start()
+    (sampler := Sampler(spec, args.sample)).start()
     out = cluster("run", "-n", "4", "--", sys.executable, "benchmarks/benchmark.py", "--warmup", str(warmup),
                   "--iters", str(iters), "--cluster-prefix", args.prefix, *DP4, *METHODS[name], prefix=args.prefix)
     sampler.stop.set()
@@ -187,6 +185,8 @@ def loss_curves(specs: list) -> dict:
 
 
 def figures(data: dict, path: Path) -> None:
+    if not data["loss_runs"]:
+        return
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -231,18 +231,21 @@ def report(w: dict, predicted: float) -> None:
 
 
 def summary(data: dict) -> dict:
-    """The noise band (the two top-rate dp windows' difference over their mean) and, at
-    each rate, which methods beat plain dp measured and predicted."""
+    """The noise band (the two top-rate dp windows' difference over their mean); at each
+    rate, which methods beat plain dp, measured and predicted, and DiLoCo's peak over streaming's."""
     dps = [w["seconds_per_iter"] for w in data["windows"] if w["method"] == "dp" and w["rate"] == data["rates"][0]]
     band = abs(dps[0] - dps[1]) / (sum(dps) / 2) if len(dps) > 1 else None
-    wins = {}
+    wins, peaks = {}, {}
     for rate in data["rates"]:
         timed = {w["method"]: w["seconds_per_iter"] for w in data["windows"] if w["rate"] == rate}
         predicted = {n: m["seconds_per_iter"][rate] for n, m in data["prediction"]["methods"].items()}
+        peak = {w["method"]: w["peak_bytes_per_s_step_window"] for w in data["windows"] if w["rate"] == rate}
+        if {"diloco-50", "streaming"} <= set(peak):           # the goal: lowered by F, where the link keeps up
+            peaks[rate] = peak["diloco-50"] / peak["streaming"]
         if "dp" in timed:
             wins[rate] = {n: {"measured": t < timed["dp"], "predicted": predicted[n] < predicted["dp"],
                               "measured_over_predicted": t / predicted[n]} for n, t in timed.items() if n != "dp"}
-    return {"noise_band": band, "beats_dp": wins}
+    return {"noise_band": band, "beats_dp": wins, "peak_diloco50_over_streaming": peaks}
 
 
 def main():
