@@ -17,7 +17,12 @@ Suspects, and the variant that removes each:
 
 Each variant is its own process, one BLAS thread, the default model on random tokens,
 AdamW with the library's defaults (warm-up over the first 100). Prints one JSON object:
-per variant and window, the median wall and CPU milliseconds per step and the page faults.
+per variant and window, the median wall and CPU milliseconds per step and the page
+faults; and each of the first FIRST steps on its own: its wall, user and system CPU
+milliseconds, minor page faults and garbage collections (a first touch of a page costs
+system time: a heap still growing shows there). With --rounds R each variant runs R
+times, the variants' order rotating from round to round, so that a machine warming or
+cooling between processes shows as a difference between rounds, not between variants.
 """
 
 import argparse
@@ -28,6 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 WINDOWS = ((0, 10), (10, 70), (70, 140), (140, 10 ** 9))
+FIRST = 12
 
 
 def one_process(variant: str, iters: int) -> dict:
@@ -53,14 +59,22 @@ def one_process(variant: str, iters: int) -> dict:
     if variant == "no-gc":
         gc.collect()
         gc.disable()
-    steps = []
-    for _ in range(iters):
-        faults, cpu, wall = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time(), time.perf_counter()
+    collections = []                                   # the garbage collector's runs, by generation
+    gc.callbacks.append(lambda phase, info: phase == "stop" and collections.append(info["generation"]))
+    steps, first = [], []
+    for i in range(iters):
+        collections.clear()
+        before, cpu, wall = resource.getrusage(resource.RUSAGE_SELF), time.process_time(), time.perf_counter()
         with np.errstate(all="ignore"):
             trainer.train_step(tokens)
-        steps.append((time.perf_counter() - wall, time.process_time() - cpu,
-                      resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults))
-    out = {}
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        steps.append((time.perf_counter() - wall, time.process_time() - cpu, after.ru_minflt - before.ru_minflt))
+        if i < FIRST:
+            first.append({"wall_ms": round(1e3 * steps[-1][0], 2),
+                          "user_ms": round(1e3 * (after.ru_utime - before.ru_utime), 1),
+                          "sys_ms": round(1e3 * (after.ru_stime - before.ru_stime), 1), "page_faults": steps[-1][2],
+                          "gc_generations": list(collections)})
+    out = {"first_steps": first}
     for lo, hi in WINDOWS:
         part = steps[lo:hi]
         if part:
@@ -74,17 +88,19 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--variants", nargs="+", default=["plain", "frozen", "no-gc", "malloc-defaults"])
+    p.add_argument("--rounds", type=int, default=1, help="runs of each variant, their order rotating")
     p.add_argument("--one", help=argparse.SUPPRESS)        # the child process's variant
     args = p.parse_args()
     if args.one:
         print(json.dumps(one_process(args.one, args.iters)))
         return
     results = {}
-    for variant in args.variants:
-        done = subprocess.run([sys.executable, __file__, "--one", variant, "--iters", str(args.iters)],
-                              capture_output=True, text=True, check=True, cwd=REPO)
-        results[variant] = json.loads(done.stdout.strip().splitlines()[-1])
-        print(variant, results[variant], file=sys.stderr, flush=True)
+    for r in range(args.rounds):
+        for variant in args.variants[r % len(args.variants):] + args.variants[:r % len(args.variants)]:
+            done = subprocess.run([sys.executable, __file__, "--one", variant, "--iters", str(args.iters)],
+                                  capture_output=True, text=True, check=True, cwd=REPO)
+            results.setdefault(variant, []).append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(variant, r, results[variant][-1], file=sys.stderr, flush=True)
     print(json.dumps(results))
 
 

@@ -1,22 +1,31 @@
-"""Training across a slow link, measured on the simulated cluster (docs/18-across-slow-links.md).
-Needs root (network namespaces).
+"""Training across a slow link, timed on the simulated cluster (docs/18-across-slow-links.md).
+Needs root (network namespaces); one cluster at a time on a machine.
 
-    python benchmarks/slow_links.py                                   # the full sweep
-    python benchmarks/slow_links.py --iters 20 --eval-interval 10 --rates 1 --methods dp diloco-10   # a smoke run
+    python benchmarks/slow_links.py --loss-runs dp=RUNS/dp4 diloco-50=RUNS/diloco50 ...   # the sweep
+    python benchmarks/slow_links.py --rates 1 --methods dp diloco-10 --iters 2 --no-repeat       # a smoke run
 
-Two hosts of two ranks (dp = 4; DiLoCo's two replicas are the two hosts), the
-inter-host link at the scaled InfiniBand rate of benchmarks/cluster_layouts.py times
-each of --rates (default 1, 1/8, 1/64), the intra-host links at scaled NVLink. For
-each method (plain dp, int8 and PowerSGD r = 4 gradients, DiLoCo H in {10, 50, 200},
-streaming DiLoCo with F = 5, τ = 2 of H = 50) it trains the default model to the same
-number of tokens and records: validation losses, the bytes host 0's link carried
-(its counters, against the formula's bytes from metrics.jsonl), the run's wall time,
-and the link's busiest rate (counters sampled every --sample seconds), over one sample
-and over a window of one step's time.
+Two hosts of two ranks (dp = 4; DiLoCo's two replicas are the two hosts), the inter-host
+link at the scaled InfiniBand rate of benchmarks/cluster_layouts.py times each of --rates
+(1, 1/8, 1/64), the intra-host links at scaled NVLink. Methods: plain dp, int8 and
+PowerSGD r = 4 gradients, DiLoCo H in {10, 50, 200}, streaming DiLoCo (F = 5, τ = 2, H = 50).
 
-A curve's bytes are the link's total times the iteration's share of the run (each
-method's traffic repeats every round, so this is exact at round boundaries); its wall
-time is metrics.jsonl's elapsed_s (seconds since training began: no start-up).
+A run's validation loss does not depend on the link, so the loss comes from full runs
+made off the cluster (--loss-runs NAME=DIR, their metrics.jsonl); the cluster times
+windows. In order:
+
+1. Calibrate (top rate, slow_links_calibrate.py): a step's compute (a DiLoCo step with
+   no exchange: nothing but the loss crosses hosts) and each method's own work.
+2. Predict, before timing anything (numpitron/plan/crossover.py): each method's seconds
+   per iteration at each rate and the rate below which it beats plain dp. Printed, saved.
+3. Time windows (benchmarks/benchmark.py on random tokens, no evaluation): dp, int8 and
+   PowerSGD a warm-up then K iterations, K from the prediction so a window lasts about
+   --window seconds; DiLoCo and streaming 5 warm-up steps then whole rounds of H steps,
+   so the exchange is counted once a round. Plain dp's top-rate window runs twice: the
+   two differ by the noise band. Host 0's link counters over the window (payload: frames
+   less their TCP/IP headers, both ways) against the formula's bytes, computed from the
+   window's own counted bytes; the link's busiest rate sampled every --sample seconds.
+
+Projected wall time to 3,000 iterations is 3,000 x the window's seconds per iteration.
 Writes --out (JSON) and, with matplotlib, docs/figures/slow_links_bytes.svg and
 slow_links_time.svg.
 """
@@ -24,7 +33,6 @@ slow_links_time.svg.
 import argparse
 import json
 import sys
-import tempfile
 import threading
 import time
 from fractions import Fraction
@@ -37,10 +45,12 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from cluster_layouts import cluster, scaled_cluster, scaled_rates  # noqa: E402
 
 from numpitron.cluster import control  # noqa: E402
-from numpitron.cluster.network import link_counters  # noqa: E402
+from numpitron.cluster.network import ClusterSpec, link_counters  # noqa: E402
+from numpitron.plan.crossover import crossover, method, seconds_per_iteration  # noqa: E402
 from numpitron.plan.devices import load_device  # noqa: E402
 
 PREFIX = "npt-slow-"
+DP4 = ["--data-parallel-size", "4"]
 DILOCO = ["--diloco-replicas", "2"]
 METHODS = {
     "dp": [],
@@ -51,16 +61,71 @@ METHODS = {
     "diloco-200": DILOCO + ["--diloco-inner-steps", "200"],
     "streaming": DILOCO + ["--diloco-inner-steps", "50", "--diloco-fragments", "5", "--diloco-overlap-steps", "2"],
 }
+PER_HOST, PROJECTED_ITERS, DILOCO_WARMUP = 2, 3000, 5       # 5: no multiple of any H, no fragment's offset
 
 
-def host_bytes(spec) -> int:
-    """What host 0's link has carried both ways so far (every byte between the two hosts)."""
-    counters = link_counters(spec, 0)
-    return counters["tx_bytes"] + counters["rx_bytes"]
+def inner_steps(name: str) -> int:
+    flags = METHODS[name]
+    return int(flags[flags.index("--diloco-inner-steps") + 1]) if "--diloco-inner-steps" in flags else 0
+
+
+def groups(name: str) -> dict:
+    """{group: (ranks, hosts)}: plain dp's group spans both hosts; a DiLoCo replica's is
+    one host, and its replicas meet across the link."""
+    if inner_steps(name):
+        return {"dp_cp": (2, 1), "diloco": (2, 2), "diloco_metrics": (2, 2)}
+    return {"dp_cp": (4, 2)}
+
+
+def planned(name: str, own: dict) -> tuple:
+    """(Method, host 0's link bytes per iteration) from the planner's bytes and calls."""
+    from numpitron.cli import configs_from_args
+    from numpitron.plan.__main__ import parser
+    from numpitron.plan.accounting import Rank
+    from numpitron.plan.traffic import comm_bytes, comm_calls
+    model, parallel, train = configs_from_args(parser().parse_args(DP4 + METHODS[name]))
+    rank = Rank(1, 1, 4, 1)
+    streaming = (train.diloco_fragments, train.diloco_inner_steps, train.diloco_overlap_steps) \
+        if inner_steps(name) else (1, 1, 0)
+    return method(name, comm_bytes(model, parallel, train, rank), comm_calls(model, parallel, train, rank),
+                  groups(name), PER_HOST, own.get(name, 0.0), streaming)
+
+
+def frame_efficiency(inter: float, intra: float) -> float:
+    """Payload per byte a card sends at the cluster's frame size (network.py): a full frame
+    of MTU + 14 bytes carries MTU - 52 of the job's."""
+    mtu = ClusterSpec("x", 2, PER_HOST, f"{8 * inter * PER_HOST / 1e3:.0f}kbit", f"{8 * intra / 1e3:.0f}kbit").frame_bytes
+    return (mtu - 52) / (mtu + 14)
+
+
+def predict(args, calibration: dict, intra: float, inter: float) -> dict:
+    """Every method's seconds per iteration at every rate, and its crossover rate."""
+    beta_in = intra * frame_efficiency(inter, intra)
+    plans = {name: planned(name, calibration["own_s"]) for name in METHODS}
+    # the calibrating step also all-reduced inside its host and averaged the loss across: not compute
+    inner = plans["diloco-200"][0]
+    compute = calibration["compute_s"] - inner.inside / beta_in - (inner.messages) * args.alpha
+    out = {"alpha_s": args.alpha, "compute_s": compute, "beta_inside": beta_in, "methods": {}}
+    dp = plans["dp"][0]
+    for name, (m, link) in plans.items():
+        at = {}
+        for rate in args.rates:
+            beta = inter * float(Fraction(rate)) * frame_efficiency(inter * float(Fraction(rate)), intra)
+            at[rate] = seconds_per_iteration(m, compute, args.alpha, beta, beta_in)
+        star = None if name == "dp" else crossover(m, dp, compute, args.alpha, beta_in)
+        out["methods"][name] = {"seconds_per_iter": at, "crossing_bytes_per_iter": m.crossing,
+                                "link_bytes_per_iter": link, "own_s": m.own_s,
+                                "crossover_bytes_per_s": star, "crossover_x_scaled": None if star in (None, float("inf"))
+                                else star / inter}
+    return out
+
+
+def link_bytes(spec) -> int:
+    return sum(link_counters(spec, 0)[key] for key in ("tx_bytes", "rx_bytes"))
 
 
 class Sampler(threading.Thread):
-    """The link's counters every `period` seconds while a run trains: its busiest rate."""
+    """Host 0's link counters every `period` seconds while a window runs."""
 
     def __init__(self, spec, period: float):
         super().__init__(daemon=True)
@@ -68,53 +133,60 @@ class Sampler(threading.Thread):
 
     def run(self):
         while not self.stop.is_set():
-            self.samples.append((time.perf_counter(), host_bytes(self.spec)))
+            self.samples.append((time.perf_counter(), link_bytes(self.spec)))
             self.stop.wait(self.period)
 
     def peak(self, window: float) -> float:
-        """The most bytes the link carried in any `window` seconds, over `window`. On a
-        shaped link every exchange runs at the link's rate while it lasts, so the peak
-        demand shows over a window of about one step: there, DiLoCo's whole-stage exchange
-        and a streaming fragment differ by F until the link is the bottleneck."""
+        """The most bytes per second the link carried over any `window` seconds. On a
+        shaped link an exchange runs at the link's rate while it lasts, so over a window
+        of a step DiLoCo's whole-stage exchange and a fragment differ by F only where the
+        link is not the bottleneck: at the top rate."""
         best, j = 0.0, 0
         for i, (t1, b1) in enumerate(self.samples[1:], 1):
-            while j < i - 1 and self.samples[j + 1][0] <= t1 - window:    # the latest start a window back
+            while j < i - 1 and self.samples[j + 1][0] <= t1 - window:
                 j += 1
             best = max(best, (b1 - self.samples[j][1]) / (t1 - self.samples[j][0]))
         return best
 
 
-def train_once(name: str, flags: list, args, spec) -> dict:
-    out_dir = Path(tempfile.mkdtemp(prefix=f"slow-{name}-"))
-    train = [sys.executable, "train_shakespeare.py", "--data-dir", str(args.data_dir), "--out-dir", str(out_dir),
-             "--data-parallel-size", "4", "--max-iters", str(args.iters), "--eval-interval", str(args.eval_interval),
-             "--eval-iters", str(args.eval_iters), "--log-interval", "1", "--no-progress", "--overwrite", *flags]
-    sampler = Sampler(spec, args.sample)
-    before = host_bytes(spec)
-    sampler.start()
-    start = time.perf_counter()
-    cluster("run", "-n", "4", "--", *train, prefix=args.prefix)
-    wall = time.perf_counter() - start
+def window(name: str, args, spec, predicted_s: float) -> dict:
+    """benchmark.py over one window: whole rounds for DiLoCo, else about --window seconds."""
+    H = inner_steps(name)
+    if H:
+        warmup, iters = DILOCO_WARMUP, H * max(1, round(args.min_diloco_steps / H))
+    else:
+        warmup = 2 if predicted_s < 5 else 1
+        iters = args.iters or max(3, min(12, round(args.window / predicted_s)))
+    (sampler := Sampler(spec, args.sample)).start()
+    out = cluster("run", "-n", "4", "--", sys.executable, "benchmarks/benchmark.py", "--warmup", str(warmup),
+                  "--iters", str(iters), "--cluster-prefix", args.prefix, *DP4, *METHODS[name], prefix=args.prefix)
     sampler.stop.set()
     sampler.join()
-    link = host_bytes(spec) - before
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "train_loss" in r]
-    curve, elapsed = [], 0.0
-    for r in steps:
-        elapsed = r.get("elapsed_s", elapsed)                    # seconds since training began
-        if "val_loss" in r:
-            curve.append({"iter": r["iter"], "val_loss": r["val_loss"], "train_seconds": elapsed,
-                          "link_bytes": link * r["iter"] / args.iters})
-    counted = sum(r.get("comm_bytes", 0.0) for r in steps)        # rank 0's bytes, every group
-    return {"method": name, "flags": flags, "wall_s": wall, "train_s": elapsed, "link_bytes": link,
-            "rank0_comm_bytes": counted, "rank0_diloco_bytes": sum(r.get("diloco_bytes", 0) for r in steps),
-            "peak_link_bytes_per_s": sampler.peak(args.sample),
-            "peak_link_bytes_per_step_window": sampler.peak(max(elapsed / args.iters, args.sample)), "val": curve,
-            "final_val_loss": curve[-1]["val_loss"] if curve else None}
+    run = json.loads(out.strip().splitlines()[-1])
+    counted = run["comm_bytes_per_iter_by_kind"]
+    formula = method(name, counted, run["comm_calls_per_iter_by_kind"], groups(name), PER_HOST)[1]
+    payload = sum(run["host_link_payload_bytes_per_iter"])          # host 0's out + host 1's out = host 0 both ways
+    step = run["ms_per_iter_median"] / 1e3
+    return {"method": name, "warmup": warmup, "iters": iters, "seconds_per_iter": run["ms_per_iter_window"] / 1e3,
+            "median_step_s": step, "link_payload_bytes_per_iter": payload, "formula_bytes_per_iter": formula,
+            "link_over_formula": payload / formula, "counted_bytes_per_iter": counted,
+            "peak_bytes_per_s_step_window": sampler.peak(max(step, args.sample)),
+            "peak_bytes_per_s_sample": sampler.peak(args.sample), "load": run["loadavg_1min_at_start"]}
 
 
-def figures(results: list, path: Path) -> None:
+def loss_curves(specs: list) -> dict:
+    """{method: [(iteration, validation loss)]} from full runs' metrics.jsonl."""
+    curves = {}
+    for spec in specs:
+        name, path = spec.split("=", 1)
+        rows = [json.loads(line) for line in (Path(path) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        curves[name] = [(r["iter"], r["val_loss"]) for r in rows if "val_loss" in r]
+    return curves
+
+
+def figures(data: dict, path: Path) -> None:
+    if not data["loss_runs"]:
+        return
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -122,51 +194,106 @@ def figures(results: list, path: Path) -> None:
     except ModuleNotFoundError:
         print("matplotlib is not installed: no figures", file=sys.stderr)
         return
-    for x, label, name in (("link_bytes", "bytes over the inter-host link", "slow_links_bytes.svg"),
-                           ("train_seconds", "training seconds", "slow_links_time.svg")):
-        rates = sorted({r["rate"] for r in results}, reverse=True)
-        fig, axes = plt.subplots(1, len(rates), figsize=(4.5 * len(rates), 3.6), squeeze=False, sharey=True)
-        for ax, rate in zip(axes[0], rates):
-            for r in (r for r in results if r["rate"] == rate):
-                ax.plot([p[x] for p in r["val"]], [p["val_loss"] for p in r["val"]], marker=".", label=r["method"])
-            ax.set_xscale("log" if x == "link_bytes" else "linear")
-            ax.set_title(f"inter-host link x {rate}")
-            ax.set_xlabel(label)
-        axes[0][0].set_ylabel("validation loss")
-        axes[0][-1].legend(fontsize=7)
-        fig.savefig(path / name, bbox_inches="tight")
-        plt.close(fig)
+    curves, windows = data["loss_runs"], data["windows"]
+    top = {w["method"]: w for w in windows if w["rate"] == data["rates"][0]}
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    for name, curve in curves.items():
+        if name in top:
+            ax.plot([i * top[name]["link_payload_bytes_per_iter"] for i, _ in curve], [v for _, v in curve],
+                    marker=".", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes over host 0's link (measured per iteration x iterations)")
+    ax.set_ylabel("validation loss")
+    ax.legend(fontsize=7)
+    fig.savefig(path / "slow_links_bytes.svg", bbox_inches="tight")
+    plt.close(fig)
+    fig, axes = plt.subplots(1, len(data["rates"]), figsize=(4.5 * len(data["rates"]), 3.6), squeeze=False,
+                             sharey=True)
+    for ax, rate in zip(axes[0], data["rates"]):
+        timed = {w["method"]: w for w in windows if w["rate"] == rate}
+        for name, curve in curves.items():
+            if name in timed:
+                ax.plot([i * timed[name]["seconds_per_iter"] / 3600 for i, _ in curve], [v for _, v in curve],
+                        marker=".", label=name)
+        ax.set_title(f"inter-host link x {rate}")
+        ax.set_xlabel("projected hours (timed window x iterations)")
+    axes[0][0].set_ylabel("validation loss")
+    axes[0][-1].legend(fontsize=7)
+    fig.savefig(path / "slow_links_time.svg", bbox_inches="tight")
+    plt.close(fig)
+
+
+def report(w: dict, predicted: float) -> None:
+    print(f"{w['rate']:>5} {w['method']:<11} measured {w['seconds_per_iter']:7.3f} s/iter, predicted "
+          f"{predicted:7.3f}; projected {PROJECTED_ITERS} iters {w['seconds_per_iter'] * PROJECTED_ITERS / 60:6.1f} min; "
+          f"link/formula {w['link_over_formula']:.3f}; peak {w['peak_bytes_per_s_step_window'] / 1e6:.2f} MB/s",
+          flush=True)
+
+
+def summary(data: dict) -> dict:
+    """The noise band (the two top-rate dp windows' difference over their mean); at each
+    rate, which methods beat plain dp, measured and predicted, and DiLoCo's peak over streaming's."""
+    dps = [w["seconds_per_iter"] for w in data["windows"] if w["method"] == "dp" and w["rate"] == data["rates"][0]]
+    band = abs(dps[0] - dps[1]) / (sum(dps) / 2) if len(dps) > 1 else None
+    wins, peaks = {}, {}
+    for rate in data["rates"]:
+        timed = {w["method"]: w["seconds_per_iter"] for w in data["windows"] if w["rate"] == rate}
+        predicted = {n: m["seconds_per_iter"][rate] for n, m in data["prediction"]["methods"].items()}
+        peak = {w["method"]: w["peak_bytes_per_s_step_window"] for w in data["windows"] if w["rate"] == rate}
+        if {"diloco-50", "streaming"} <= set(peak):           # the goal: lowered by F, where the link keeps up
+            peaks[rate] = peak["diloco-50"] / peak["streaming"]
+        if "dp" in timed:
+            wins[rate] = {n: {"measured": t < timed["dp"], "predicted": predicted[n] < predicted["dp"],
+                              "measured_over_predicted": t / predicted[n]} for n, t in timed.items() if n != "dp"}
+    return {"noise_band": band, "beats_dp": wins, "peak_diloco50_over_streaming": peaks}
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--iters", type=int, default=3000)
-    p.add_argument("--eval-interval", type=int, default=250)
-    p.add_argument("--eval-iters", type=int, default=50)
     p.add_argument("--rates", nargs="+", default=["1", "1/8", "1/64"], help="fractions of the scaled InfiniBand rate")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--loss-runs", nargs="*", default=[], metavar="NAME=DIR", help="full runs' output directories")
+    p.add_argument("--window", type=float, default=45.0, help="seconds a dp, int8 or PowerSGD window aims at")
+    p.add_argument("--iters", type=int, default=0, help="timed iterations of dp, int8, PowerSGD (0: from --window)")
+    p.add_argument("--min-diloco-steps", type=int, default=20, help="DiLoCo windows: whole rounds, at least this many")
+    p.add_argument("--no-repeat", action="store_true", help="skip the second top-rate dp window (the noise band)")
+    p.add_argument("--alpha", type=float, default=1e-4, help="seconds per message across hosts (chapter 9's fits)")
     p.add_argument("--sample", type=float, default=0.25, help="seconds between link counter samples")
-    p.add_argument("--data-dir", type=Path, default=REPO / "data")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "figures" / "slow_links.json")
     p.add_argument("--figures", type=Path, default=REPO / "docs" / "figures")
     p.add_argument("--prefix", default=PREFIX)
     args = p.parse_args()
     intra, inter = scaled_rates(load_device("this-machine").peak_flops)
-    results = []
+    data = {"command": sys.argv, "rates": args.rates, "inter_bytes_per_s_per_rank": inter,
+            "intra_bytes_per_s_per_rank": intra, "loss_runs": loss_curves(args.loss_runs), "windows": []}
+    save = lambda: args.out.write_text(json.dumps(data, indent=1) + "\n")      # noqa: E731
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        for rate in args.rates:
-            scaled_cluster(2, 2, inter * float(Fraction(rate)), intra, prefix=args.prefix)
+        for k, rate in enumerate(args.rates):
+            scaled_cluster(2, PER_HOST, inter * float(Fraction(rate)), intra, prefix=args.prefix)
             spec = control.load(args.prefix)
-            for name in args.methods:
-                row = {"rate": rate, "inter_bytes_per_s": inter * float(Fraction(rate)),
-                       **train_once(name, METHODS[name], args, spec)}
-                results.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "val"}), flush=True)
+            if k == 0:
+                out = cluster("run", "-n", "4", "--", sys.executable, "benchmarks/slow_links_calibrate.py",
+                              prefix=args.prefix)
+                data["calibration"] = json.loads(out.strip().splitlines()[-1])
+                data["prediction"] = predict(args, data["calibration"], intra, inter)
+                save()
+                print("predicted before timing:", json.dumps(data["prediction"], indent=1), flush=True)
+            predicted = {n: m["seconds_per_iter"][rate] for n, m in data["prediction"]["methods"].items()}
+            repeats = [(n, 2 if n == "dp" and k == 0 and not args.no_repeat else 1) for n in args.methods]
+            for name, times in repeats:
+                for _ in range(times):
+                    w = {"rate": rate, **window(name, args, spec, predicted[name])}
+                    data["windows"].append(w)
+                    report(w, predicted[name])
+                    save()
     finally:
         cluster("down", prefix=args.prefix, check=False)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": sys.argv, "results": results}, indent=1) + "\n")
-    figures(results, args.figures)
+    if "prediction" in data:
+        data["summary"] = summary(data)
+        save()
+        print("summary:", json.dumps(data["summary"], indent=1))
+    figures(data, args.figures)
 
 
 if __name__ == "__main__":

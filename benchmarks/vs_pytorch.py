@@ -75,7 +75,7 @@ def runs(cfg: dict, iters: int, torch_python: str, one_core: bool, blas=("numpy"
          optimizer="adamw") -> dict:
     """label -> command printing one JSON object with tokens_per_s and peak_rss_mb: PyTorch's
     runs, then numpitron's for each BLAS (labels ending ", blas NAME" when there are several).
-    pairs: only the runs a ratio pairs (1 thread and 1 process; 2 threads and dp = 2)."""
+    pairs: only the runs a ratio pairs (1 thread and 1 process; 2 threads and dp = 2, plain and ZeRO-1)."""
     torch = [torch_python, "benchmarks/nanogpt_reference.py", f"--batch={cfg['batch']}",
              f"--iters={iters}", f"--optimizer={optimizer}", *model_flags(cfg)]
     found = {"pytorch, 1 thread": torch + ["--threads=1"]}
@@ -94,9 +94,12 @@ def runs(cfg: dict, iters: int, torch_python: str, one_core: bool, blas=("numpy"
         if one_core:
             continue
         found["numpitron, dp = 2" + tail] = dp2
+        # ZeRO-1: each rank runs AdamW on half the parameters, the one part of a step that
+        # plain dp repeats on every rank (docs/08-zero.md); the same bytes as the all-reduce.
+        found["numpitron, dp = 2, ZeRO-1" + tail] = dp2 + ["--zero-stage=1"]
         if not pairs:
-            # ZeRO-2: each rank runs AdamW on half the parameters, and the gradients'
-            # reduce-scatter moves half an all-reduce's bytes in the backward (docs/09-zero-2-and-3.md).
+            # ZeRO-2: the gradients' reduce-scatter moves half an all-reduce's bytes in the
+            # backward (docs/09-zero-2-and-3.md).
             found["numpitron, dp = 2, ZeRO-2" + tail] = dp2 + ["--zero-stage=2"]
             found["numpitron, tp = 2" + tail] = two + ["--tensor-parallel-size=2", f"--micro-batch-size={cfg['batch']}"]
     return found
@@ -192,14 +195,15 @@ def blas_and_rest(name: str, results: dict, rows: list) -> list[dict]:
     out = []
     for label, (_, _, tps, ratios, _, mfu, ceiling) in mine.items():
         torch_label = "pytorch, 1 thread" if "1 process" in label else "pytorch, 2 threads"
-        if not label.startswith("numpitron, ") or torch_label not in mine or "ZeRO" in label or "tp = 2" in label:
+        if not label.startswith("numpitron, ") or torch_label not in mine or "tp = 2" in label:
             continue
         _, _, _, _, _, torch_mfu, torch_ceiling = mine[torch_label]
         blas, rest = ceiling / torch_ceiling, mfu / torch_mfu
         entry = {"config": name, "run": label, "ratio_median": round(statistics.median(ratios), 3),
                  "blas_ceiling_ratio": round(blas, 3), "mfu_ratio": round(rest, 3)}
         if label.startswith("numpitron, dp = 2"):
-            one = results.get(label.replace("dp = 2", "1 process"), [])
+            one = results.get("numpitron, 1 process" + label[label.find(", blas"):] if ", blas" in label
+                              else "numpitron, 1 process", [])
             scaling = [r["tokens_per_s"] / o["tokens_per_s"] for r, o in zip(results[label], one)]
             if scaling:
                 entry["over_one_rank"] = {"median": round(statistics.median(scaling), 3),
