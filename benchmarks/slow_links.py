@@ -6,8 +6,8 @@ Needs root (network namespaces); one cluster at a time on a machine.
 
 Two hosts of two ranks (dp = 4; DiLoCo's two replicas are the two hosts), the inter-host
 link at the scaled InfiniBand rate of benchmarks/cluster_layouts.py times each of --rates
-(1, 1/8, 1/64), the intra-host links at scaled NVLink. Methods: plain dp, int8 and
-PowerSGD r = 4 gradients, DiLoCo H in {10, 50, 200}, streaming DiLoCo (F = 5, τ = 2, H = 50).
+(1, 1/8, 1/64), the intra-host links at scaled NVLink. Methods: plain dp, int8 and PowerSGD
+r = 4 gradients, DiLoCo H in {10, 50, 200}, streaming (F = 5, τ = 2, H = 50), both H = 50 also int8.
 
 A run's validation loss does not depend on the link, so the loss comes from full runs
 made off the cluster (--loss-runs NAME=DIR, their metrics.jsonl); the cluster times
@@ -26,8 +26,7 @@ windows. In order:
    window's own counted bytes; the link's busiest rate sampled every --sample seconds.
 
 Projected wall time to 3,000 iterations is 3,000 x the window's seconds per iteration.
-Writes --out (JSON) and, with matplotlib, docs/figures/slow_links_bytes.svg and
-slow_links_time.svg.
+Writes --out (JSON) and, with matplotlib, docs/figures/slow_links_{bytes,time}.svg.
 """
 
 import argparse
@@ -50,8 +49,8 @@ from numpitron.plan.crossover import crossover, method, seconds_per_iteration  #
 from numpitron.plan.devices import load_device  # noqa: E402
 
 PREFIX = "npt-slow-"
-DP4 = ["--data-parallel-size", "4"]
-DILOCO = ["--diloco-replicas", "2"]
+DP4, DILOCO = ["--data-parallel-size", "4"], ["--diloco-replicas", "2"]
+STREAMING = DILOCO + ["--diloco-inner-steps", "50", "--diloco-fragments", "5", "--diloco-overlap-steps", "2"]
 METHODS = {
     "dp": [],
     "int8": ["--grad-compression", "int8"],
@@ -59,7 +58,9 @@ METHODS = {
     "diloco-10": DILOCO + ["--diloco-inner-steps", "10"],
     "diloco-50": DILOCO + ["--diloco-inner-steps", "50"],
     "diloco-200": DILOCO + ["--diloco-inner-steps", "200"],
-    "streaming": DILOCO + ["--diloco-inner-steps", "50", "--diloco-fragments", "5", "--diloco-overlap-steps", "2"],
+    "streaming": STREAMING,
+    "diloco-50-int8": DILOCO + ["--diloco-inner-steps", "50", "--diloco-outer-dtype", "int8"],
+    "streaming-int8": STREAMING + ["--diloco-outer-dtype", "int8"],
 }
 PER_HOST, PROJECTED_ITERS, DILOCO_WARMUP = 2, 3000, 5       # 5: no multiple of any H, no fragment's offset
 
@@ -160,8 +161,7 @@ def window(name: str, args, spec, predicted_s: float) -> dict:
     (sampler := Sampler(spec, args.sample)).start()
     out = cluster("run", "-n", "4", "--", sys.executable, "benchmarks/benchmark.py", "--warmup", str(warmup),
                   "--iters", str(iters), "--cluster-prefix", args.prefix, *DP4, *METHODS[name], prefix=args.prefix)
-    sampler.stop.set()
-    sampler.join()
+    sampler.stop.set(), sampler.join()
     run = json.loads(out.strip().splitlines()[-1])
     counted = run["comm_bytes_per_iter_by_kind"]
     formula = method(name, counted, run["comm_calls_per_iter_by_kind"], groups(name), PER_HOST)[1]
