@@ -3,15 +3,19 @@
 simulated cluster beside the planner. Needs root (the cluster's namespaces).
 
     python benchmarks/a2a_overlap.py                          # the scaled InfiniBand rate and a quarter of it
-    python benchmarks/a2a_overlap.py --rates 1 --iters 2 --warmup 1 --traced 1     # a smoke run
+    python benchmarks/a2a_overlap.py --layout pp1 --rates 1 --iters 2 --warmup 1 --traced 1    # a smoke run
     mpiexec -n 4 python benchmarks/a2a_overlap.py --worker --pipeline-parallel-size 2 \\
         --data-parallel-size 2 --expert-parallel-size 2 --num-experts 4 ...        # one node, no cluster
 
-The layout: pp = 2 (DualPipeV), dp = ep = 2, every block a mixture of 4 experts (top 2,
-one shared). The mesh puts pp outermost (distributed/topology.py), so on hosts of two
-ranks an ep pair would share a host: by default every rank has a host of its own
-(--hosts-of 1), and the experts' all-to-alls cross the inter-host link. The links are
-benchmarks/cluster_layouts.py's: A100 links scaled by this CPU's FLOP/s over the A100's.
+Every block a mixture of 4 experts (top 2, one shared), dp = ep = 2, on one of two
+layouts (--layout). pp2: pp = 2 (DualPipeV) on 4 ranks, which share the machine's 2
+cores in pairs. pp1: pp = 1 on 2 ranks, a core each: 1F1B, whose every backward pairs
+with the next micro-batch's forward (Megatron's combined 1F1B), each pair free of the
+wait for a second stage's input. The mesh puts pp outermost (distributed/topology.py),
+so on hosts of two ranks an ep pair of pp2 would share a host: by default every rank has
+a host of its own (--hosts-of 1), and the experts' all-to-alls cross the inter-host
+link. The links are benchmarks/cluster_layouts.py's: A100 links scaled by this CPU's
+FLOP/s over the A100's.
 
 At each rate the same run goes with --moe-a2a-overlap (paired) and without. Each gives:
 the step time (the slowest rank's median, benchmark.py's way); the seconds the ranks
@@ -22,7 +26,8 @@ rank did not wait for (hidden). The hidden share is measured twice: from the ste
 in flight. The planner's share, with the tiers fitted on the cluster
 (cluster_layouts.link_fit) and the compute speed the run measured: hidden /
 all-to-all time of plan/a2a_overlap.py. The machine is shared: each figure is a
-median of --iters steps, and --rounds repeats the whole to read the noise band.
+median of --iters steps, and --rounds repeats the whole to read the noise band,
+paired and unpaired taking turns at going first.
 """
 
 import argparse
@@ -40,17 +45,21 @@ configure_process(sys.argv)
 
 MODEL = ["--n-layers", "4", "--n-heads", "4", "--d-model", "128", "--seq-len", "64", "--num-experts", "4",
          "--moe-top-k", "2", "--moe-shared-experts", "1"]
-MESH = ["--pipeline-parallel-size", "2", "--data-parallel-size", "2", "--expert-parallel-size", "2",
-        "--pipeline-schedule", "dualpipev"]
-BATCH = ["--micro-batch-size", "4", "--global-batch-size", "64"]          # m = 8 per dp rank
+LAYOUTS = {                    # name: (mesh, ranks)
+    "pp2": (["--pipeline-parallel-size", "2", "--data-parallel-size", "2", "--expert-parallel-size", "2",
+             "--pipeline-schedule", "dualpipev"], 4),
+    "pp1": (["--pipeline-parallel-size", "1", "--data-parallel-size", "2", "--expert-parallel-size", "2",
+             "--pipeline-schedule", "1f1b"], 2),
+}
+BATCH = ["--micro-batch-size", "4", "--global-batch-size", "64"]          # m = 8 per dp rank: 7 pairs at pp = 1
 
 
 def worker(argv: list) -> None:
-    """On 4 ranks: warm up, time --iters steps, trace --traced more; rank 0 prints one JSON."""
+    """On every rank: warm up, time --iters steps, trace --traced more; rank 0 prints one JSON."""
     import numpy as np
     from mpi4py import MPI
 
-    from benchmark import N_TOKENS, VOCAB, parse_args, timed_steps, trainer_from_args
+    from benchmark import N_TOKENS, VOCAB, HostLinks, parse_args, timed_steps, trainer_from_args
     from numpitron.trace.comm_probe import CommProbe
     from numpitron.trace.recorder import Recorder
     p = argparse.ArgumentParser()
@@ -62,7 +71,10 @@ def worker(argv: list) -> None:
     tokens = np.random.default_rng(0).integers(0, VOCAB, N_TOKENS).astype(np.uint16)
     for _ in range(args.warmup):
         trainer.train_step(tokens)
+    links = HostLinks(args.cluster_prefix, world)         # the bytes that crossed the simulated links
+    links.start()
     mine = timed_steps(trainer, tokens, args.iters, world)
+    crossed = links.stop(args.iters)
     slowest = np.array(mine["step_s"])
     world.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
     waited = sum(v for k, v in mine["comm_seconds_per_iter_by_kind"].items() if k == "ep.all_to_allv")
@@ -79,30 +91,75 @@ def worker(argv: list) -> None:
     flight = sum((s[4] if s[4] is not None else s[3]) - s[3] for s in spans) / ours.traced
     hidden = sum(max(0.0, (s[4] if s[4] is not None else s[3]) - s[3] - s[5]["waited_ms"] / 1e3)
                  for s in spans) / ours.traced
-    ranks = world.gather({"waited_s": waited, "in_flight_s": flight, "hidden_s": hidden}, root=0)
+    ranks = world.gather({"waited_s": waited, "in_flight_s": flight, "hidden_s": hidden,       # and every wait,
+                          "comm_s_by_kind": mine["comm_seconds_per_iter_by_kind"]}, root=0)  # to see where it went
     from benchmark import sgemm_gflops
     gflops = world.gather(sgemm_gflops(1024, 1024, 1024, np.dtype(args.dtype), reps=5), root=0)
     if world.Get_rank() == 0:
-        print(json.dumps({"ms_median": 1e3 * float(np.median(slowest)), "per_rank": ranks,
+        print(json.dumps({"ms_median": 1e3 * float(np.median(slowest)), "per_rank": ranks, **crossed,
                           "sgemm_gflops_per_rank": float(np.mean(gflops)),
                           "paired": type(trainer.run_schedule).__name__ == "PairedSchedule"}))
 
 
-def planned(flags: list, device, fits: dict, gflops: float) -> dict:
-    """The planner's all-to-all terms per stage, on the fitted tiers at the measured speed."""
-    import cluster_layouts as cl
+def planned(flags: list, device, fits: dict, gflops: float, ranks: int) -> dict:
+    """The planner's all-to-all terms per stage, on the fitted tiers at the measured speed
+    (cluster_layouts.at_speed and plan_step, for `ranks` rather than their 4)."""
+    from numpitron.cli import configs_from_args
+    from numpitron.plan.__main__ import layout_of, parser
+    from numpitron.plan.predict import plan
     tiers = replace(device, ranks_per_host=fits["per_host"], inter_latency=fits["alpha_inter_s"],
                     inter_bandwidth=fits["beta_inter_bytes_s"], intra_latency=fits["alpha_intra_s"],
                     intra_bandwidth=fits["beta_intra_bytes_s"])
-    scaled, _ = cl.at_speed(tiers, {"peak_gflops_per_rank": gflops})
-    result = cl.plan_step(flags, scaled)
+    speed = gflops * 1e9 * tiers.time_sharing(ranks) / tiers.peak_flops
+    scaled = replace(tiers, peak_flops=tiers.peak_flops * speed, memory_bandwidth=tiers.memory_bandwidth * speed,
+                     matmul_curve=tuple((size, rate * speed) for size, rate in tiers.matmul_curve),
+                     exp_time=tiers.exp_time / speed, call_time=tiers.call_time / speed)
+    model, parallel, train = configs_from_args(parser().parse_args(flags))
+    result = plan(model, parallel, train, layout_of(parser().parse_args(flags), ranks, model, parallel, train), scaled)
     return {"step_ms": 1e3 * result["step_s"],
             "stages": [{k: s["all_to_all"][k] for k in ("all_to_all", "hidden", "pairs")} for s in result["stages"]]}
+
+
+def at_rate(args, cpu, multiple: float, infiniband: float, intra: float, mesh: list, ranks: int) -> list:
+    """Bring the cluster up at `multiple` of the scaled inter-host rate, fit its links, and run --rounds
+    rounds of paired and unpaired: a row each."""
+    import cluster_layouts as cl
+    per_host, rows, inter = args.hosts_of, [], multiple * infiniband
+    cl.scaled_cluster(ranks // per_host, per_host, inter, intra, prefix=args.prefix)
+    alpha_inter, beta_inter = cl.link_fit(1, args.prefix)
+    alpha_intra, beta_intra = cl.link_fit(2, args.prefix) if per_host > 1 else (0.0, intra)
+    fits = {"per_host": per_host, "alpha_inter_s": alpha_inter, "beta_inter_bytes_s": beta_inter,
+            "alpha_intra_s": alpha_intra, "beta_intra_bytes_s": beta_intra}
+    for round_ in range(args.rounds):
+        runs = {}
+        for overlap in ("--moe-a2a-overlap", "--no-moe-a2a-overlap")[::1 if round_ % 2 == 0 else -1]:
+            start = time.time()
+            out = cl.cluster("run", "-n", str(ranks), "--", sys.executable, __file__, "--worker", "--warmup",
+                             str(args.warmup), "--iters", str(args.iters), "--traced", str(args.traced),
+                             "--cluster-prefix", args.prefix, *MODEL, *mesh, *BATCH, overlap, prefix=args.prefix)
+            runs[overlap] = {**json.loads(out.strip().splitlines()[-1]), "wall_s": time.time() - start}
+        on, off = runs["--moe-a2a-overlap"], runs["--no-moe-a2a-overlap"]
+        waited_off = max(r["waited_s"] for r in off["per_rank"])
+        plan = planned(MODEL + mesh + BATCH + ["--moe-a2a-overlap"], cpu, fits, on["sgemm_gflops_per_rank"], ranks)
+        row = {"layout": args.layout, "inter_multiple": multiple, "inter_mbit_s": 8 * inter / 1e6, "round": round_,
+               **fits, "paired_ms": on["ms_median"], "unpaired_ms": off["ms_median"],
+               "a2a_waited_unpaired_ms": 1e3 * waited_off,
+               "hidden_share_from_steps": (off["ms_median"] - on["ms_median"]) / (1e3 * waited_off)
+               if waited_off else None,
+               "hidden_share_from_trace": [r["hidden_s"] / r["in_flight_s"] if r["in_flight_s"] else None
+                                           for r in on["per_rank"]],
+               "hidden_share_planned": [s["hidden"] / s["all_to_all"] for s in plan["stages"]],
+               "planned_step_ms": plan["step_ms"], "runs": runs, "planned": plan}
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("runs", "planned")}), flush=True)
+    return rows
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--layout", default="pp2", choices=sorted(LAYOUTS), help="pp2: DualPipeV on 4 ranks; pp1: "
+                   "combined 1F1B on 2 ranks, a core each")
     p.add_argument("--rates", default="1,0.25", help="inter-host rates, multiples of the scaled InfiniBand")
     p.add_argument("--hosts-of", type=int, default=1, choices=(1, 2), help="ranks per host (1: ep crosses hosts)")
     p.add_argument("--iters", type=int, default=10)
@@ -118,38 +175,14 @@ def main():
     from numpitron.plan.devices import load_device
     cpu = load_device("this-machine")
     intra, infiniband = cl.scaled_rates(cpu.peak_flops)
-    rows, per_host = [], args.hosts_of
-    for multiple in (float(r) for r in args.rates.split(",")):
-        inter = infiniband * multiple
-        cl.scaled_cluster(4 // per_host, per_host, inter, intra, prefix=args.prefix)
-        alpha_inter, beta_inter = cl.link_fit(1, args.prefix)
-        alpha_intra, beta_intra = cl.link_fit(2, args.prefix) if per_host > 1 else (0.0, intra)
-        fits = {"per_host": per_host, "alpha_inter_s": alpha_inter, "beta_inter_bytes_s": beta_inter,
-                "alpha_intra_s": alpha_intra, "beta_intra_bytes_s": beta_intra}
-        for round_ in range(args.rounds):
-            runs = {}
-            for overlap in ("--moe-a2a-overlap", "--no-moe-a2a-overlap"):
-                flags = MODEL + MESH + BATCH + [overlap]
-                start = time.time()
-                out = cl.cluster("run", "-n", "4", "--", sys.executable, __file__, "--worker", "--warmup",
-                                 str(args.warmup), "--iters", str(args.iters), "--traced", str(args.traced), *flags,
-                                 prefix=args.prefix)
-                runs[overlap] = {**json.loads(out.strip().splitlines()[-1]), "wall_s": time.time() - start}
-            on, off = runs["--moe-a2a-overlap"], runs["--no-moe-a2a-overlap"]
-            waited_off = max(r["waited_s"] for r in off["per_rank"])
-            plan = planned(MODEL + MESH + BATCH + ["--moe-a2a-overlap"], cpu, fits, on["sgemm_gflops_per_rank"])
-            row = {"inter_multiple": multiple, "inter_mbit_s": 8 * inter / 1e6, "round": round_, **fits,
-                   "paired_ms": on["ms_median"], "unpaired_ms": off["ms_median"],
-                   "a2a_waited_unpaired_ms": 1e3 * waited_off,
-                   "hidden_share_from_steps": (off["ms_median"] - on["ms_median"]) / (1e3 * waited_off)
-                   if waited_off else None,
-                   "hidden_share_from_trace": [r["hidden_s"] / r["in_flight_s"] if r["in_flight_s"] else None
-                                               for r in on["per_rank"]],
-                   "hidden_share_planned": [s["hidden"] / s["all_to_all"] for s in plan["stages"]],
-                   "planned_step_ms": plan["step_ms"], "runs": runs, "planned": plan}
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k not in ("runs", "planned")}), flush=True)
-    cl.cluster("down", prefix=args.prefix, check=False)
+    rows, (mesh, ranks) = [], LAYOUTS[args.layout]
+    if ranks // args.hosts_of < 2:
+        p.error(f"--layout {args.layout}: {ranks} ranks on hosts of {args.hosts_of} leave the experts on one host")
+    try:                          # the cluster comes down however the run ends (Ctrl-C too)
+        for multiple in (float(r) for r in args.rates.split(",")):
+            rows += at_rate(args, cpu, multiple, infiniband, intra, mesh, ranks)
+    finally:
+        cl.cluster("down", prefix=args.prefix, check=False)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
     for r in rows:
