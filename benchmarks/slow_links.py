@@ -32,8 +32,6 @@ Writes --out (JSON) and, with matplotlib, docs/figures/slow_links_{bytes,time}.s
 import argparse
 import json
 import sys
-import threading
-import time
 from fractions import Fraction
 from pathlib import Path
 
@@ -42,10 +40,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from cluster_layouts import cluster, scaled_cluster, scaled_rates  # noqa: E402
+from link_sampler import Sampler  # noqa: E402
 
 from numpitron.cluster import control  # noqa: E402
-from numpitron.cluster.network import ClusterSpec, link_counters  # noqa: E402
-from numpitron.plan.crossover import crossover, method, seconds_per_iteration  # noqa: E402
+from numpitron.cluster.network import ClusterSpec  # noqa: E402
+from numpitron.plan.crossover import crossover, method, seconds_per_iteration, wins  # noqa: E402
 from numpitron.plan.devices import load_device  # noqa: E402
 
 PREFIX = "npt-slow-"
@@ -114,40 +113,12 @@ def predict(args, calibration: dict, intra: float, inter: float) -> dict:
             beta = inter * float(Fraction(rate)) * frame_efficiency(inter * float(Fraction(rate)), intra)
             at[rate] = seconds_per_iteration(m, compute, args.alpha, beta, beta_in)
         star = None if name == "dp" else crossover(m, dp, compute, args.alpha, beta_in)
+        below = name != "dp" and wins(m, dp, 1.0, compute, args.alpha, beta_in)     # wins on the slowest card
         out["methods"][name] = {"seconds_per_iter": at, "crossing_bytes_per_iter": m.crossing,
                                 "link_bytes_per_iter": link, "own_s": m.own_s,
-                                "crossover_bytes_per_s": star, "crossover_x_scaled": None if star in (None, float("inf"))
-                                else star / inter}
+                                "crossover_bytes_per_s": star, "wins_below_crossover": below,
+                                "crossover_x_scaled": None if star in (None, float("inf")) else star / inter}
     return out
-
-
-def link_bytes(spec) -> int:
-    return sum(link_counters(spec, 0)[key] for key in ("tx_bytes", "rx_bytes"))
-
-
-class Sampler(threading.Thread):
-    """Host 0's link counters every `period` seconds while a window runs."""
-
-    def __init__(self, spec, period: float):
-        super().__init__(daemon=True)
-        self.spec, self.period, self.samples, self.stop = spec, period, [], threading.Event()
-
-    def run(self):
-        while not self.stop.is_set():
-            self.samples.append((time.perf_counter(), link_bytes(self.spec)))
-            self.stop.wait(self.period)
-
-    def peak(self, window: float) -> float:
-        """The most bytes per second the link carried over any `window` seconds. On a
-        shaped link an exchange runs at the link's rate while it lasts, so over a window
-        of a step DiLoCo's whole-stage exchange and a fragment differ by F only where the
-        link is not the bottleneck: at the top rate."""
-        best, j = 0.0, 0
-        for i, (t1, b1) in enumerate(self.samples[1:], 1):
-            while j < i - 1 and self.samples[j + 1][0] <= t1 - window:
-                j += 1
-            best = max(best, (b1 - self.samples[j][1]) / (t1 - self.samples[j][0]))
-        return best
 
 
 def window(name: str, args, spec, predicted_s: float) -> dict:
@@ -171,7 +142,8 @@ def window(name: str, args, spec, predicted_s: float) -> dict:
             "median_step_s": step, "link_payload_bytes_per_iter": payload, "formula_bytes_per_iter": formula,
             "link_over_formula": payload / formula, "counted_bytes_per_iter": counted,
             "peak_bytes_per_s_step_window": sampler.peak(max(step, args.sample)),
-            "peak_bytes_per_s_sample": sampler.peak(args.sample), "load": run["loadavg_1min_at_start"]}
+            "peak_bytes_per_s_sample": sampler.peak(args.sample), "largest_burst_bytes": sampler.largest_burst(),
+            "load": run["loadavg_1min_at_start"]}
 
 
 def loss_curves(specs: list) -> dict:
@@ -235,17 +207,20 @@ def summary(data: dict) -> dict:
     rate, which methods beat plain dp, measured and predicted, and DiLoCo's peak over streaming's."""
     dps = [w["seconds_per_iter"] for w in data["windows"] if w["method"] == "dp" and w["rate"] == data["rates"][0]]
     band = abs(dps[0] - dps[1]) / (sum(dps) / 2) if len(dps) > 1 else None
-    wins, peaks = {}, {}
+    wins, peaks, bursts = {}, {}, {}
     for rate in data["rates"]:
         timed = {w["method"]: w["seconds_per_iter"] for w in data["windows"] if w["rate"] == rate}
         predicted = {n: m["seconds_per_iter"][rate] for n, m in data["prediction"]["methods"].items()}
         peak = {w["method"]: w["peak_bytes_per_s_step_window"] for w in data["windows"] if w["rate"] == rate}
+        burst = {w["method"]: w["largest_burst_bytes"] for w in data["windows"] if w["rate"] == rate}
         if {"diloco-50", "streaming"} <= set(peak):           # the goal: lowered by F, where the link keeps up
             peaks[rate] = peak["diloco-50"] / peak["streaming"]
+            bursts[rate] = burst["diloco-50"] / burst["streaming"]      # lowered by F at any rate
         if "dp" in timed:
             wins[rate] = {n: {"measured": t < timed["dp"], "predicted": predicted[n] < predicted["dp"],
                               "measured_over_predicted": t / predicted[n]} for n, t in timed.items() if n != "dp"}
-    return {"noise_band": band, "beats_dp": wins, "peak_diloco50_over_streaming": peaks}
+    return {"noise_band": band, "beats_dp": wins, "peak_diloco50_over_streaming": peaks,
+            "largest_burst_diloco50_over_streaming": bursts}
 
 
 def main():

@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from numpitron.distributed.topology import Mesh
 from numpitron.plan.accounting import Rank
-from numpitron.plan.crossover import Method, crossing, crossover, method, seconds_per_iteration
+from numpitron.plan.crossover import Method, crossing, crossover, method, seconds_per_iteration, wins
 from numpitron.plan.traffic import comm_bytes, comm_calls
 from tests.harness import SMALLER, assert_on_every_rank, make_trainer, tiny_model, tiny_tokens, tiny_train
 from tests.test_diloco import diloco_trainer
@@ -105,3 +105,16 @@ def test_a_method_whose_own_work_outweighs_its_savings_never_wins():
     assert crossover(int8, dp, **CPU) is None
     free = Method("free", crossing=0.0, messages=dp.messages, inside=dp.inside)
     assert crossover(free, dp, **CPU) == math.inf                     # saves bytes, costs nothing: wins everywhere
+
+
+def test_a_method_that_sends_more_across_but_less_inside_wins_above_its_crossover():
+    """int8 with little work of its own: its ring sends more across than plain dp's halving
+    but nothing inside the host in series, so it loses on a slow card and wins on a fast one."""
+    B = 4_000_000
+    dp = method("dp", {"dp_cp.all_reduce": 1.5 * B}, {"dp_cp.all_reduce": 1}, {"dp_cp": (4, 2)}, per_host=2)[0]
+    int8 = method("int8", {"dp_cp.all_gather": 3 * (B / 4 + 64)}, {"dp_cp.all_gather": 2}, {"dp_cp": (4, 2)},
+                  per_host=2, own_s=0.001)[0]
+    beta = crossover(int8, dp, **CPU)
+    assert beta not in (None, math.inf)
+    args = (CPU["compute_s"], CPU["alpha"], CPU["beta_inside"])
+    assert wins(int8, dp, 2 * beta, *args) and not wins(int8, dp, beta / 2, *args)

@@ -9,8 +9,9 @@ after (not beside) over β_in:
 
     t(β) = t_c + t_own + n α + x / β + y / β_in        (+ what streaming leaves exposed)
 
-Plain dp has the largest x and no t_own; a method wins where its t(β) is below plain
-dp's, which, both falling as β grows, happens below one rate β* at most:
+A method wins where its t(β) is below plain dp's. Both fall as β grows and their
+difference changes sign at one rate β* at most; a method that sends less across wins
+below it:
 
     β* = (x_dp - x) / (t_own + (n - n_dp) α + (y - y_dp) / β_in)      (no overlap)
 
@@ -89,18 +90,22 @@ def seconds_per_iteration(m: Method, compute_s: float, alpha: float, beta: float
 
 def crossover(m: Method, dp: Method, compute_s: float, alpha: float, beta_inside: float,
               low: float = 1.0, high: float = 1e13) -> float | None:
-    """β* (bytes/s a rank's card): below it m's iteration is shorter than plain dp's.
-    math.inf when m is shorter at every rate up to `high`, None when at none down to
-    `low`. Both times fall as β grows and dp's falls faster (it sends more), so their
-    difference changes sign once at most: bisection on log β finds it."""
-    def wins(beta):
-        return seconds_per_iteration(m, compute_s, alpha, beta, beta_inside) < \
-            seconds_per_iteration(dp, compute_s, alpha, beta, beta_inside)
-    if wins(high):
-        return math.inf
-    if not wins(low):
-        return None
+    """β* (bytes/s a rank's card) where m's iteration and plain dp's take equally long:
+    math.inf when m is shorter at every rate from `low` to `high`, None when at none.
+    Usually m sends less across and wins below β*; a method that sends more across but
+    less inside its host (int8's ring: nothing in series inside) wins above it instead
+    (`wins(m, dp, low, ...)` says which). Each difference of the two times is monotonic
+    in 1/β, so it changes sign once at most: bisection on log β finds it."""
+    below = wins(m, dp, low, compute_s, alpha, beta_inside)
+    if below == wins(m, dp, high, compute_s, alpha, beta_inside):
+        return math.inf if below else None
     for _ in range(200):
         mid = math.sqrt(low * high)
-        low, high = (mid, high) if wins(mid) else (low, mid)
+        low, high = (mid, high) if wins(m, dp, mid, compute_s, alpha, beta_inside) == below else (low, mid)
     return math.sqrt(low * high)
+
+
+def wins(m: Method, dp: Method, beta: float, compute_s: float, alpha: float, beta_inside: float) -> bool:
+    """Is m's iteration shorter than plain dp's on cards of β bytes/s?"""
+    return seconds_per_iteration(m, compute_s, alpha, beta, beta_inside) < \
+        seconds_per_iteration(dp, compute_s, alpha, beta, beta_inside)
