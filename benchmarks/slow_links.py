@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from cluster_layouts import cluster, scaled_cluster, scaled_rates  # noqa: E402
+from figures import machine  # noqa: E402
 from link_sampler import Sampler  # noqa: E402
 
 from numpitron.cluster import control  # noqa: E402
@@ -176,6 +177,7 @@ def figures(data: dict, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("bytes over host 0's link (measured per iteration x iterations)")
     ax.set_ylabel("validation loss")
+    ax.set_title(data.get("cpu", ""), fontsize=8)
     ax.legend(fontsize=7)
     fig.savefig(path / "slow_links_bytes.svg", bbox_inches="tight")
     plt.close(fig)
@@ -190,6 +192,7 @@ def figures(data: dict, path: Path) -> None:
         ax.set_title(f"inter-host link x {rate}")
         ax.set_xlabel("projected hours (timed window x iterations)")
     axes[0][0].set_ylabel("validation loss")
+    fig.suptitle(f"two hosts of two ranks, dp = 4, on {data.get('cpu', 'this machine')}", fontsize=9)
     axes[0][-1].legend(fontsize=7)
     fig.savefig(path / "slow_links_time.svg", bbox_inches="tight")
     plt.close(fig)
@@ -239,7 +242,7 @@ def main():
     p.add_argument("--prefix", default=PREFIX)
     args = p.parse_args()
     intra, inter = scaled_rates(load_device("this-machine").peak_flops)
-    data = {"command": sys.argv, "rates": args.rates, "inter_bytes_per_s_per_rank": inter,
+    data = {"command": sys.argv, "cpu": machine(), "rates": args.rates, "inter_bytes_per_s_per_rank": inter,
             "intra_bytes_per_s_per_rank": intra, "loss_runs": loss_curves(args.loss_runs), "windows": []}
     save = lambda: args.out.write_text(json.dumps(data, indent=1) + "\n")      # noqa: E731
     args.out.parent.mkdir(parents=True, exist_ok=True)
