@@ -398,6 +398,12 @@ ALONE = {
 }
 
 
+def slow_links() -> None:
+    """Chapter 18's two figures, redrawn from what benchmarks/slow_links.py measured on the
+    cluster (it needs root and a quiet machine, so `make figures` does not rerun it)."""
+    subprocess.run([sys.executable, "benchmarks/slow_links.py", "--redraw"], check=True, cwd=REPO)
+
+
 def trace_figures(data_dir: Path) -> str:
     """The chapters' traced timelines beside their predictions: benchmarks/trace_figures.py
     draws them and keeps their numbers in trace_figures.json."""
@@ -412,7 +418,8 @@ def main():
     p.add_argument("--only", choices=sorted(ALONE),
                    help="make this figure alone (figures.json keeps the rest)")
     p.add_argument("--redraw", action="store_true",
-                   help="draw bubble, throughput, bytes, memory_zero, race, hsdp_rates and cluster_rates again from their saved JSON, "
+                   help="draw bubble, throughput, bytes, memory_zero, race, hsdp_rates, cluster_rates and slow_links again from "
+                        "their saved JSON, "
                         "running nothing")
     p.add_argument("--tables", action="store_true",
                    help="print chapter 5's table and chapter 14's from figures.json (the runs that drew their figures)")
@@ -434,6 +441,7 @@ def main():
         race(plt)
         hsdp_rates(plt)
         cluster_rates(plt)
+        slow_links()
         return
     if args.only:
         data = json.loads((FIGURES / "figures.json").read_text())
@@ -455,6 +463,7 @@ def main():
     data["routing"] = routing(Path(args.data_dir).resolve(), 200 if args.quick else 2000)
     data["experts_compare"] = experts_compare(Path(args.data_dir).resolve(), 40 if args.quick else 300)
     data["cluster_rates"] = cluster_rates(plt)
+    slow_links()
     data["precision_drift"] = precision_drift(plt, Path(args.data_dir).resolve(), 20 if args.quick else 200)
     data["race"] = race(plt)
     data["traced_pipeline"] = traced_pipeline(plt, Path(args.data_dir).resolve())

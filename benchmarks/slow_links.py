@@ -240,7 +240,10 @@ def main():
     p.add_argument("--out", type=Path, default=REPO / "docs" / "figures" / "slow_links.json")
     p.add_argument("--figures", type=Path, default=REPO / "docs" / "figures")
     p.add_argument("--prefix", default=PREFIX)
+    p.add_argument("--redraw", action="store_true", help="draw the figures again from --out, running nothing")
     args = p.parse_args()
+    if args.redraw:
+        return figures(json.loads(args.out.read_text()), args.figures)
     intra, inter = scaled_rates(load_device("this-machine").peak_flops)
     data = {"command": sys.argv, "cpu": machine(), "rates": args.rates, "inter_bytes_per_s_per_rank": inter,
             "intra_bytes_per_s_per_rank": intra, "loss_runs": loss_curves(args.loss_runs), "windows": []}
