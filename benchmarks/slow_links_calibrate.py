@@ -30,10 +30,10 @@ from mpi4py import MPI  # noqa: E402
 from numpitron.compression.int8 import Int8  # noqa: E402
 from numpitron.compression.powersgd import PowerSGD  # noqa: E402
 from numpitron.diloco.outer import apply_outer  # noqa: E402
+from slow_links import METHODS, inner_steps  # noqa: E402  (the sweep's methods, one list)
 
 WARMUP, STEPS, REPS = 2, 6, 5
 RANKS = 4
-DILOCO_H = {"diloco-10": 10, "diloco-50": 50, "diloco-200": 200, "streaming": 50}
 
 
 class Loopback:
@@ -95,7 +95,7 @@ def main():
         delta = round_state.start - theta             # Δ, which the exchange would average
         apply_outer(theta, round_state, 0, theta.size, delta, 0.7, 0.9)
     outer_s = median_seconds(outer)
-    own.update({name: outer_s / H for name, H in DILOCO_H.items()})
+    own.update({name: outer_s / inner_steps(name) for name in METHODS if inner_steps(name)})
     own = {name: world.allreduce(s, op=MPI.SUM) / world.size for name, s in own.items()}     # the ranks' mean
     if world.rank == 0:
         print(json.dumps({"compute_s": statistics.median(steps), "steps_s": steps, "own_s": own,
