@@ -14,14 +14,16 @@ made off the cluster (--loss-runs NAME=DIR, their metrics.jsonl); the cluster ti
 windows. In order:
 
 1. Calibrate (top rate, slow_links_calibrate.py): a step's compute (a DiLoCo step with
-   no exchange: nothing but the loss crosses hosts) and each method's own work.
+   no exchange: nothing but the loss crosses hosts) and each method's own work; at every
+   rate, the card's both-way share e for each message the methods swap across hosts
+   (two_way_probe.py; --one-way skips it and prices every byte at β).
 2. Predict, before timing anything (numpitron/plan/crossover.py): each method's seconds
-   per iteration at each rate and the rate below which it beats plain dp. Printed, saved.
+   per iteration at each rate and the rates where it and plain dp swap places. Printed, saved.
 3. Time windows (benchmarks/benchmark.py on random tokens, no evaluation): dp, int8 and
    PowerSGD a warm-up then K iterations, K from the prediction so a window lasts about
    --window seconds; DiLoCo and streaming 5 warm-up steps then whole rounds of H steps,
-   so the exchange is counted once a round. Plain dp's top-rate window runs twice: the
-   two differ by the noise band. Host 0's link counters over the window (payload: frames
+   so the exchange is counted once a round. Plain dp's top-rate window runs twice (with
+   --repeat-all, at every rate): the two differ by the noise band. Host 0's link counters over the window (payload: frames
    less their TCP/IP headers, both ways) against the formula's bytes, computed from the
    window's own counted bytes; the link's busiest rate sampled every --sample seconds.
 
@@ -42,10 +44,12 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from cluster_layouts import cluster, scaled_cluster, scaled_rates  # noqa: E402
 from figures import machine  # noqa: E402
 from link_sampler import Sampler  # noqa: E402
+from slow_links_figures import figures  # noqa: E402
+from two_way_probe import probe  # noqa: E402
 
 from numpitron.cluster import control  # noqa: E402
 from numpitron.cluster.network import ClusterSpec  # noqa: E402
-from numpitron.plan.crossover import crossover, method, seconds_per_iteration, wins  # noqa: E402
+from numpitron.plan.crossover import TwoWay, crossings, method, seconds_per_iteration, wins  # noqa: E402
 from numpitron.plan.devices import load_device  # noqa: E402
 
 PREFIX = "npt-slow-"
@@ -99,26 +103,47 @@ def frame_efficiency(inter: float, intra: float) -> float:
     return (mtu - 52) / (mtu + 14)
 
 
-def predict(args, calibration: dict, intra: float, inter: float) -> dict:
-    """Every method's seconds per iteration at every rate, and its crossover rate."""
+def card_rate(inter: float, intra: float, rate: str) -> float:
+    """A rank's card at `rate` of the scaled rate, in payload bytes/s."""
+    beta = inter * float(Fraction(rate))
+    return beta * frame_efficiency(beta, intra)
+
+
+def probe_sizes(names: list) -> list:
+    """The messages the methods swap both ways across hosts, to two figures, 16 kB and up
+    (below that α, not e, prices them)."""
+    sizes = {float(f"{msg:.2g}") for name in names for _, msg in planned(name, {})[0].both_ways}
+    return sorted(int(n) for n in sizes if n >= 16_000)
+
+
+def two_way(probes: dict, inter: float, intra: float) -> TwoWay:
+    """e at each probed rate and message: the model's n / β over the both-way time."""
+    return TwoWay({card_rate(inter, intra, rate): {r["bytes"]: r["bytes"] / card_rate(inter, intra, rate) /
+                                                   r["two_way_s"] for r in rows} for rate, rows in probes.items()})
+
+
+def predict(args, calibration: dict, intra: float, inter: float, probes: dict) -> dict:
+    """Every method's seconds per iteration at every rate, and the rates where it and
+    plain dp swap places, with each card's both-way share e as probed."""
     beta_in = intra * frame_efficiency(inter, intra)
+    e = two_way(probes, inter, intra) if probes else None
     plans = {name: planned(name, calibration["own_s"]) for name in METHODS}
     # the calibrating step also all-reduced inside its host and averaged the loss across: not compute
     inner = plans["diloco-200"][0]
     compute = calibration["compute_s"] - inner.inside / beta_in - (inner.messages) * args.alpha
-    out = {"alpha_s": args.alpha, "compute_s": compute, "beta_inside": beta_in, "methods": {}}
+    out = {"alpha_s": args.alpha, "compute_s": compute, "beta_inside": beta_in, "methods": {},
+           "two_way": e.probes if e else None}
     dp = plans["dp"][0]
+    low, high = card_rate(inter, intra, "1/128"), card_rate(inter, intra, "16")
     for name, (m, link) in plans.items():
-        at = {}
-        for rate in args.rates:
-            beta = inter * float(Fraction(rate)) * frame_efficiency(inter * float(Fraction(rate)), intra)
-            at[rate] = seconds_per_iteration(m, compute, args.alpha, beta, beta_in)
-        star = None if name == "dp" else crossover(m, dp, compute, args.alpha, beta_in)
-        below = name != "dp" and wins(m, dp, 1.0, compute, args.alpha, beta_in)     # wins on the slowest card
+        at = {rate: seconds_per_iteration(m, compute, args.alpha, card_rate(inter, intra, rate), beta_in, e)
+              for rate in args.rates}
+        meet = [] if name == "dp" else crossings(m, dp, compute, args.alpha, beta_in, e, low, high)
+        below = name != "dp" and wins(m, dp, low, compute, args.alpha, beta_in, e)     # on the slowest card
         out["methods"][name] = {"seconds_per_iter": at, "crossing_bytes_per_iter": m.crossing,
-                                "link_bytes_per_iter": link, "own_s": m.own_s,
-                                "crossover_bytes_per_s": star, "wins_below_crossover": below,
-                                "crossover_x_scaled": None if star in (None, float("inf")) else star / inter}
+                                "link_bytes_per_iter": link, "own_s": m.own_s, "both_ways": m.both_ways,
+                                "crossings_bytes_per_s": meet, "wins_at_lowest": below,
+                                "crossings_x_scaled": [b / card_rate(inter, intra, "1") for b in meet]}
     return out
 
 
@@ -157,47 +182,6 @@ def loss_curves(specs: list) -> dict:
     return curves
 
 
-def figures(data: dict, path: Path) -> None:
-    if not data["loss_runs"]:
-        return
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ModuleNotFoundError:
-        print("matplotlib is not installed: no figures", file=sys.stderr)
-        return
-    curves, windows = data["loss_runs"], data["windows"]
-    top = {w["method"]: w for w in windows if w["rate"] == data["rates"][0]}
-    fig, ax = plt.subplots(figsize=(5, 3.6))
-    for name, curve in curves.items():
-        if name in top:
-            ax.plot([i * top[name]["link_payload_bytes_per_iter"] for i, _ in curve], [v for _, v in curve],
-                    marker=".", label=name)
-    ax.set_xscale("log")
-    ax.set_xlabel("bytes over host 0's link (measured per iteration x iterations)")
-    ax.set_ylabel("validation loss")
-    ax.set_title(data.get("cpu", ""), fontsize=8)
-    ax.legend(fontsize=7)
-    fig.savefig(path / "slow_links_bytes.svg", bbox_inches="tight")
-    plt.close(fig)
-    fig, axes = plt.subplots(1, len(data["rates"]), figsize=(4.5 * len(data["rates"]), 3.6), squeeze=False,
-                             sharey=True)
-    for ax, rate in zip(axes[0], data["rates"]):
-        timed = {w["method"]: w for w in windows if w["rate"] == rate}
-        for name, curve in curves.items():
-            if name in timed:
-                ax.plot([i * timed[name]["seconds_per_iter"] / 3600 for i, _ in curve], [v for _, v in curve],
-                        marker=".", label=name)
-        ax.set_title(f"inter-host link x {rate}")
-        ax.set_xlabel("projected hours (timed window x iterations)")
-    axes[0][0].set_ylabel("validation loss")
-    fig.suptitle(f"two hosts of two ranks, dp = 4, on {data.get('cpu', 'this machine')}", fontsize=9)
-    axes[0][-1].legend(fontsize=7)
-    fig.savefig(path / "slow_links_time.svg", bbox_inches="tight")
-    plt.close(fig)
-
-
 def report(w: dict, predicted: float) -> None:
     print(f"{w['rate']:>5} {w['method']:<11} measured {w['seconds_per_iter']:7.3f} s/iter, predicted "
           f"{predicted:7.3f}; projected {PROJECTED_ITERS} iters {w['seconds_per_iter'] * PROJECTED_ITERS / 60:6.1f} min; "
@@ -206,10 +190,13 @@ def report(w: dict, predicted: float) -> None:
 
 
 def summary(data: dict) -> dict:
-    """The noise band (the two top-rate dp windows' difference over their mean); at each
+    """The noise band (two dp windows' difference over their mean, at each rate run twice); at each
     rate, which methods beat plain dp, measured and predicted, and DiLoCo's peak over streaming's."""
-    dps = [w["seconds_per_iter"] for w in data["windows"] if w["method"] == "dp" and w["rate"] == data["rates"][0]]
-    band = abs(dps[0] - dps[1]) / (sum(dps) / 2) if len(dps) > 1 else None
+    bands = {}
+    for rate in data["rates"]:
+        dps = [w["seconds_per_iter"] for w in data["windows"] if w["method"] == "dp" and w["rate"] == rate]
+        if len(dps) > 1:
+            bands[rate] = abs(dps[0] - dps[1]) / (sum(dps) / 2)
     wins, peaks, bursts = {}, {}, {}
     for rate in data["rates"]:
         timed = {w["method"]: w["seconds_per_iter"] for w in data["windows"] if w["rate"] == rate}
@@ -222,7 +209,7 @@ def summary(data: dict) -> dict:
         if "dp" in timed:
             wins[rate] = {n: {"measured": t < timed["dp"], "predicted": predicted[n] < predicted["dp"],
                               "measured_over_predicted": t / predicted[n]} for n, t in timed.items() if n != "dp"}
-    return {"noise_band": band, "beats_dp": wins, "peak_diloco50_over_streaming": peaks,
+    return {"noise_band": bands.get(data["rates"][0]), "noise_band_by_rate": bands, "beats_dp": wins, "peak_diloco50_over_streaming": peaks,
             "largest_burst_diloco50_over_streaming": bursts}
 
 
@@ -235,6 +222,9 @@ def main():
     p.add_argument("--iters", type=int, default=0, help="timed iterations of dp, int8, PowerSGD (0: from --window)")
     p.add_argument("--min-diloco-steps", type=int, default=20, help="DiLoCo windows: whole rounds, at least this many")
     p.add_argument("--no-repeat", action="store_true", help="skip the second top-rate dp window (the noise band)")
+    p.add_argument("--repeat-all", action="store_true", help="a second dp window at every rate, not only the top")
+    p.add_argument("--one-way", action="store_true", help="price every byte at β: no two-way probe")
+    p.add_argument("--probe-reps", type=int, default=3, help="both-way probes per message and rate (median)")
     p.add_argument("--alpha", type=float, default=1e-4, help="seconds per message across hosts (chapter 9's fits)")
     p.add_argument("--sample", type=float, default=0.25, help="seconds between link counter samples")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "figures" / "slow_links.json")
@@ -249,19 +239,26 @@ def main():
             "intra_bytes_per_s_per_rank": intra, "loss_runs": loss_curves(args.loss_runs), "windows": []}
     save = lambda: args.out.write_text(json.dumps(data, indent=1) + "\n")      # noqa: E731
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    sizes, probes = probe_sizes(args.methods), {}
     try:
-        for k, rate in enumerate(args.rates):
+        for k, rate in enumerate(args.rates):              # the link, measured before any window is timed
             scaled_cluster(2, PER_HOST, inter * float(Fraction(rate)), intra, prefix=args.prefix)
-            spec = control.load(args.prefix)
             if k == 0:
                 out = cluster("run", "-n", "4", "--", sys.executable, "benchmarks/slow_links_calibrate.py",
                               prefix=args.prefix)
                 data["calibration"] = json.loads(out.strip().splitlines()[-1])
-                data["prediction"] = predict(args, data["calibration"], intra, inter)
-                save()
-                print("predicted before timing:", json.dumps(data["prediction"], indent=1), flush=True)
+            if not args.one_way and sizes:
+                probes[rate] = probe(sizes, args.probe_reps, args.prefix, one_way_too=False)
+        data["two_way_probes"] = probes
+        data["prediction"] = predict(args, data["calibration"], intra, inter, probes)
+        save()
+        print("predicted before timing:", json.dumps(data["prediction"], indent=1), flush=True)
+        for k, rate in enumerate(args.rates):
+            scaled_cluster(2, PER_HOST, inter * float(Fraction(rate)), intra, prefix=args.prefix)
+            spec = control.load(args.prefix)
             predicted = {n: m["seconds_per_iter"][rate] for n, m in data["prediction"]["methods"].items()}
-            repeats = [(n, 2 if n == "dp" and k == 0 and not args.no_repeat else 1) for n in args.methods]
+            repeats = [(n, 2 if n == "dp" and (k == 0 or args.repeat_all) and not args.no_repeat else 1)
+                       for n in args.methods]
             for name, times in repeats:
                 for _ in range(times):
                     w = {"rate": rate, **window(name, args, spec, predicted[name])}

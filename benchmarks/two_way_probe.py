@@ -9,7 +9,8 @@ The α-β model of docs/18-across-slow-links.md prices both at n / β per card. 
 its acknowledgements back to keep sending; one way, they return on an idle direction,
 both ways they queue behind the other direction's data in the same shaped card. Prints,
 per rate and size, the seconds of each (median of --reps) and their ratio, the two-way
-efficiency e = t_one_way / t_two_way; writes --out.
+efficiency e = t_one_way / t_two_way; writes --out. benchmarks/slow_links.py calls `probe`
+at the messages its methods swap, before it predicts.
 """
 
 import argparse
@@ -29,52 +30,61 @@ from cluster_layouts import cluster, scaled_cluster, scaled_rates  # noqa: E402
 SIZES = [810_000, 3_240_000]        # a quarter of the default model's gradients (one halving step), all of them
 
 
-def worker(size: int, reps: int) -> None:
+def worker(sizes: list, reps: int, one_way_too: bool, pause: float = 0.0) -> None:
     import numpy as np
     from mpi4py import MPI
     world = MPI.COMM_WORLD
     partner = (world.rank + 2) % 4
-    send, recv = np.ones(size, np.uint8), np.empty(size, np.uint8)
 
     def timed(work):
         times = []
         for _ in range(reps):
+            time.sleep(pause)                # the card idles as between two steps' exchanges
             world.Barrier()
             start = time.perf_counter()
             work()
             times.append(world.allreduce(time.perf_counter() - start, op=MPI.MAX))
         return statistics.median(times)
 
-    def one_way():
-        world.Send(send, partner) if world.rank < 2 else world.Recv(recv, partner)
+    for size in sizes:
+        send, recv = np.ones(size, np.uint8), np.empty(size, np.uint8)
+        row = {"bytes": size, "two_way_s": timed(lambda: world.Sendrecv(send, partner, recvbuf=recv, source=partner))}
+        if one_way_too:
+            row["one_way_s"] = timed(lambda: world.Send(send, partner) if world.rank < 2 else world.Recv(recv, partner))
+            row["efficiency"] = row["one_way_s"] / row["two_way_s"]
+        if world.rank == 0:
+            print(json.dumps(row), flush=True)
 
-    one, two = timed(one_way), timed(lambda: world.Sendrecv(send, partner, recvbuf=recv, source=partner))
-    if world.rank == 0:
-        print(json.dumps({"bytes": size, "one_way_s": one, "two_way_s": two, "efficiency": one / two}), flush=True)
+
+def probe(sizes: list, reps: int, prefix: str, one_way_too: bool = True, pause: float = 0.0) -> list:
+    """On the cluster already up under `prefix`: one row per message size."""
+    out = cluster("run", "-n", "4", "--", sys.executable, __file__, "--worker", ",".join(map(str, sizes)),
+                  "--reps", str(reps), "--pause", str(pause), *(["--one-way"] if one_way_too else []), prefix=prefix)
+    return [json.loads(line) for line in out.strip().splitlines() if line.startswith("{")]
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rates", nargs="+", default=["1", "1/8", "1/64"])
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    p.add_argument("--one-way", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--pause", type=float, default=0.0, help="seconds each card idles before each exchange")
+    p.add_argument("--sizes", type=int, nargs="+", default=SIZES)
     p.add_argument("--prefix", default="npt-probe-")
     p.add_argument("--out", type=Path, default=Path("two_way_probe.json"))
     args = p.parse_args()
     if args.worker:
-        return worker(args.worker, args.reps)
+        return worker([int(n) for n in args.worker.split(",")], args.reps, args.one_way, args.pause)
     from numpitron.plan.devices import load_device
     intra, inter = scaled_rates(load_device("this-machine").peak_flops)
     rows = []
     try:
         for rate in args.rates:
             scaled_cluster(2, 2, inter * float(Fraction(rate)), intra, prefix=args.prefix)
-            for size in SIZES:
-                out = cluster("run", "-n", "4", "--", sys.executable, __file__, "--worker", str(size),
-                              "--reps", str(args.reps), prefix=args.prefix)
-                row = {"rate": rate, "beta_bytes_per_s": inter * float(Fraction(rate)),
-                       **json.loads(out.strip().splitlines()[-1])}
-                row["model_s"] = size / row["beta_bytes_per_s"]
+            for row in probe(args.sizes, args.reps, args.prefix, pause=args.pause):
+                row = {"rate": rate, "beta_bytes_per_s": inter * float(Fraction(rate)), **row}
+                row["model_s"] = row["bytes"] / row["beta_bytes_per_s"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:

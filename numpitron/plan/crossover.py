@@ -22,6 +22,13 @@ recursively, pairing a host's own ranks first, so each rank then sends 1/q of th
 buffer's 2 (h - 1)/h across (chapter 17's hierarchical all-reduce; the link counters of
 chapter 9 show it); an all-gather above 512 KiB runs a ring, in which the one rank
 before each host boundary sends all g - 1 blocks across, beside the ring's other hops.
+
+A card gives each direction its β only while the other is idle. Both of the halving's
+steps across, and a ring of one rank a host, send and receive at once, and TCP's
+acknowledgements then queue behind the other direction's data in the shaped card: such
+bytes cost x / (e β), e < 1 the card's measured two-way efficiency, which depends on the
+rate and on the message (`TwoWay`, probed by benchmarks/two_way_probe.py). With e varying
+with β the two times may meet more than once, so `crossings` scans the rates.
 """
 
 import math
@@ -32,18 +39,43 @@ from dataclasses import dataclass
 class Method:
     """One way to train, per iteration: bytes the busiest rank sends across hosts
     (`crossing`) and inside its host in series with them (`inside`), crossing
-    messages, its own seconds of work, and streaming DiLoCo's (F, H, τ)."""
+    messages, its own seconds of work, streaming DiLoCo's (F, H, τ), and the part of
+    `crossing` sent while as much is received, as ((bytes, one message's bytes), ...)."""
     name: str
     crossing: float
     inside: float = 0.0
     messages: float = 0.0
     own_s: float = 0.0
     streaming: tuple = (1, 1, 0)
+    both_ways: tuple = ()
+
+
+class TwoWay:
+    """e(β, message): the share of β each direction of a card gets when it sends and
+    receives at once, from probes {β: {message bytes: e}}; between the probed rates and
+    messages it is interpolated on their logarithms, beyond them held at the nearest."""
+
+    def __init__(self, probes: dict):
+        self.probes = {float(b): {float(m): e for m, e in row.items()} for b, row in probes.items()}
+
+    @staticmethod
+    def _between(points: dict, x: float, value) -> float:
+        keys = sorted(points)
+        if x <= keys[0] or x >= keys[-1]:
+            return value(points[keys[0] if x <= keys[0] else keys[-1]])
+        hi = next(k for k in keys if k >= x)
+        lo = keys[keys.index(hi) - 1]
+        w = math.log(x / lo) / math.log(hi / lo)
+        return (1 - w) * value(points[lo]) + w * value(points[hi])
+
+    def __call__(self, beta: float, message: float) -> float:
+        return self._between(self.probes, beta, lambda row: self._between(row, message, lambda e: e))
 
 
 def crossing(kind: str, counted: float, ranks: int, hosts: int, per_host: int) -> dict:
     """{"crossing", "inside": bytes the busiest rank sends, "link": bytes host 0's link
-    carries both ways} for one collective kind ("group.op") over `ranks` ranks spread
+    carries both ways, "both_ways": the part of "crossing" its card sends while receiving
+    as much, "message": the largest message across} for one collective kind ("group.op") over `ranks` ranks spread
     evenly over `hosts` hosts of `per_host` ranks, `counted` the ring formula's bytes per
     rank (2 (g-1)/g of the buffer for an all-reduce, (g-1) blocks for an all-gather)."""
     op, q = kind.split(".")[-1], ranks // hosts          # q: the group's ranks on one host
@@ -51,11 +83,13 @@ def crossing(kind: str, counted: float, ranks: int, hosts: int, per_host: int) -
     if op == "all_gather":
         block = counted / (ranks - 1)
         across = (ranks - 1) * block if hosts > 1 else 0.0      # the ring's edge out of a host
-        return {"crossing": across, "inside": 0.0, "link": 2 * groups * across}       # out of host 0 and into it
+        return {"crossing": across, "inside": 0.0, "link": 2 * groups * across,      # out of host 0 and into it
+                "both_ways": across if q == 1 else 0.0, "message": block}   # one rank a host: it sends and receives
     buffer = counted * ranks / (2 * (ranks - 1))
     across = 2 * (hosts - 1) / hosts * buffer / q                    # each rank's 1/q, over the hosts
     inside = 2 * (q - 1) / q * buffer                                # the host's own pairs, before and after
-    return {"crossing": across, "inside": inside, "link": 2 * per_host * across}
+    return {"crossing": across, "inside": inside, "link": 2 * per_host * across,
+            "both_ways": across, "message": buffer / (2 * q)}        # a step across swaps half of the rank's 1/q
 
 
 def method(name: str, counted: dict, calls: dict, groups: dict, per_host: int, own_s: float = 0.0,
@@ -64,48 +98,60 @@ def method(name: str, counted: dict, calls: dict, groups: dict, per_host: int, o
     the planner's bytes and calls per iteration by kind; `groups` maps a group to
     (ranks, hosts) and leaves out those of one rank."""
     x = y = n = link = 0.0
+    both = []
     for kind, nbytes in counted.items():
         ranks, hosts = groups.get(kind.split(".")[0], (1, 1))
         if ranks == 1:
             continue
         part = crossing(kind, nbytes, ranks, hosts, per_host)
         x, y, link = x + part["crossing"], y + part["inside"], link + part["link"]
+        if part["both_ways"]:      # one call's message: a kind called once a round (DiLoCo's) sends it all at
+            # once; one called each iteration carries its bytes in one large call (the gradients beside a scalar)
+            both.append((part["both_ways"], part["message"] / min(1, calls.get(kind, 1))))
         if hosts > 1:         # a recursive halving's messages across: 2 log2 h; a ring's g - 1
             ring = kind.endswith("all_gather")
             n += calls.get(kind, 0) * ((ranks - 1) if ring else 2 * math.ceil(math.log2(hosts)))
-    return Method(name, x, y, n, own_s, streaming), link
+    return Method(name, x, y, n, own_s, streaming, tuple(both)), link
 
 
-def seconds_per_iteration(m: Method, compute_s: float, alpha: float, beta: float, beta_inside: float) -> float:
-    """t(β) of the module's docstring. Streaming DiLoCo sends its F fragments one by one,
-    each beside the τ steps after it (plan/slow_links.py's hidden_outer_seconds): of a
-    fragment's α + x H / F / β, what τ steps of compute do not cover is exposed."""
+def seconds_per_iteration(m: Method, compute_s: float, alpha: float, beta: float, beta_inside: float,
+                          two_way=None) -> float:
+    """t(β) of the module's docstring, the both-way bytes at e β when `two_way` (a TwoWay)
+    is given. Streaming DiLoCo sends its F fragments one by one, each beside the τ steps
+    after it (plan/slow_links.py's hidden_outer_seconds): of a fragment's α + x H / F / β,
+    what τ steps of compute do not cover is exposed."""
     F, H, tau = m.streaming
     step = compute_s + m.own_s + m.inside / beta_inside
-    link = m.messages * alpha + m.crossing / beta
+    slower = sum(b * (1 / two_way(beta, msg) - 1) for b, msg in m.both_ways) if two_way else 0.0
+    link = m.messages * alpha + (m.crossing + slower) / beta
     if tau:
         link = F / H * max(0.0, link * H / F - tau * step)
     return step + link
 
 
-def crossover(m: Method, dp: Method, compute_s: float, alpha: float, beta_inside: float,
-              low: float = 1.0, high: float = 1e13) -> float | None:
-    """β* (bytes/s a rank's card) where m's iteration and plain dp's take equally long:
-    math.inf when m is shorter at every rate from `low` to `high`, None when at none.
-    Usually m sends less across and wins below β*; a method that sends more across but
-    less inside its host (int8's ring: nothing in series inside) wins above it instead
-    (`wins(m, dp, low, ...)` says which). Each difference of the two times is monotonic
-    in 1/β, so it changes sign once at most: bisection on log β finds it."""
-    below = wins(m, dp, low, compute_s, alpha, beta_inside)
-    if below == wins(m, dp, high, compute_s, alpha, beta_inside):
-        return math.inf if below else None
-    for _ in range(200):
-        mid = math.sqrt(low * high)
-        low, high = (mid, high) if wins(m, dp, mid, compute_s, alpha, beta_inside) == below else (low, mid)
-    return math.sqrt(low * high)
+def crossings(m: Method, dp: Method, compute_s: float, alpha: float, beta_inside: float, two_way=None,
+              low: float = 1.0, high: float = 1e13, points: int = 400) -> list:
+    """The rates β (bytes/s a rank's card) where m's iteration and plain dp's take equally
+    long, lowest first: none when one of them is shorter at every rate from `low` to
+    `high` (`wins` says which). With a constant e each difference of the two times is
+    monotonic in 1/β and they meet once at most; a measured e(β) may bend it, so the
+    rates are scanned on a log grid and each change of winner bisected."""
+    def m_wins(beta):
+        return wins(m, dp, beta, compute_s, alpha, beta_inside, two_way)
+    grid = [low * (high / low) ** (i / points) for i in range(points + 1)]
+    found = []
+    for a, b in zip(grid, grid[1:]):
+        if m_wins(a) != m_wins(b):
+            below = m_wins(a)
+            for _ in range(100):
+                mid = math.sqrt(a * b)
+                a, b = (mid, b) if m_wins(mid) == below else (a, mid)
+            found.append(math.sqrt(a * b))
+    return found
 
 
-def wins(m: Method, dp: Method, beta: float, compute_s: float, alpha: float, beta_inside: float) -> bool:
+def wins(m: Method, dp: Method, beta: float, compute_s: float, alpha: float, beta_inside: float,
+         two_way=None) -> bool:
     """Is m's iteration shorter than plain dp's on cards of β bytes/s?"""
-    return seconds_per_iteration(m, compute_s, alpha, beta, beta_inside) < \
-        seconds_per_iteration(dp, compute_s, alpha, beta, beta_inside)
+    return seconds_per_iteration(m, compute_s, alpha, beta, beta_inside, two_way) < \
+        seconds_per_iteration(dp, compute_s, alpha, beta, beta_inside, two_way)
