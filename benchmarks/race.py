@@ -41,6 +41,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+sys.path.insert(0, str(REPO))
+from numpitron.runtime import launch_env  # noqa: E402
 EVAL_LINE = re.compile(r"^iter (\d+): train ([0-9.]+), val ([0-9.]+)")
 RECIPES = ("equal", "nanogpt")
 
@@ -132,7 +134,7 @@ def main():
     p.add_argument("--out", help="also write the JSON here, after every run")
     p.add_argument("--stop-at-target", action="store_true", help="stop each program when it reaches the target")
     args = p.parse_args()
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    env = {**launch_env(2), "OPENBLAS_NUM_THREADS": "1"}     # no yield a shell set: the library decides it
     with tempfile.TemporaryDirectory(prefix="race-") as tmp:
         cmds = commands(args, Path(tmp))
         results = {name: [] for name in cmds}

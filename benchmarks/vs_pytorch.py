@@ -38,6 +38,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+sys.path.insert(0, str(REPO))
+from numpitron.runtime import launch_env  # noqa: E402
 CONFIGS = {   # short name -> (name in the table, model and batch)
     "default": ("default (L4 C128 T64 B12)", dict(n_layers=4, n_heads=4, d_model=128, seq_len=64, batch=12)),
     "nanogpt": ("nanoGPT char (L6 C384 T256 B8)", dict(n_layers=6, n_heads=6, d_model=384, seq_len=256, batch=8)),
@@ -67,7 +69,8 @@ def quiet_moment(max_wait: float) -> float:
 
 
 def run_json(cmd: list[str]) -> dict:
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO).stdout
+    # two ranks on two cores, as a user's `mpiexec -n 2` runs them: no yield inherited from the shell
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO, env=launch_env(2)).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 

@@ -99,3 +99,15 @@ def configure_process(argv: list[str], tune_malloc: bool = True) -> None:
             os.environ.setdefault(var, "1")
     if ranks_on_this_host() > usable_cores():
         os.environ.setdefault(YIELD_VAR, "1")
+
+
+def launch_env(ranks: int) -> dict:
+    """The environment in which to launch `ranks` ranks on this host for a measurement:
+    this process's, less a yield setting inherited from the shell when the ranks fit the
+    cores, so that each rank decides it as `configure_process` does. Inherited by two ranks
+    on two cores, it made the default model's 3.24 MB gradient all-reduce three times
+    slower and a one-value all-reduce fifteen (benchmarks/README.md)."""
+    env = dict(os.environ)
+    if ranks <= usable_cores():
+        env.pop(YIELD_VAR, None)
+    return env

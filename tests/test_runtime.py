@@ -46,6 +46,14 @@ def test_heavy_yield_only_when_ranks_outnumber_cores(clean_env):
     assert os.environ[runtime.YIELD_VAR] == "0"
 
 
+def test_a_benchmark_launch_drops_an_inherited_yield_only_when_the_ranks_fit(clean_env):
+    cores = runtime.usable_cores()
+    clean_env.setenv(runtime.YIELD_VAR, "1")
+    assert runtime.YIELD_VAR not in runtime.launch_env(cores)
+    assert runtime.launch_env(cores + 1)[runtime.YIELD_VAR] == "1"
+    assert os.environ[runtime.YIELD_VAR] == "1"          # this process's own setting is untouched
+
+
 FAULTS_PER_STEP = """
 import json, resource, sys
 from numpitron.runtime import configure_process
