@@ -119,9 +119,9 @@ def worker(argv: list) -> None:
     probe.uninstall()
     phases.append(("traced", time.perf_counter()))
     spans = [s for s in rec.spans if s[2] == "ep in flight" and s[0] == "ep.all_to_allv"]
-    flight = sum((s[4] if s[4] is not None else s[3]) - s[3] for s in spans) / ours.traced
+    flight = sum((s[4] if s[4] is not None else s[3]) - s[3] for s in spans) / max(ours.traced, 1)
     hidden = sum(max(0.0, (s[4] if s[4] is not None else s[3]) - s[3] - s[5]["waited_ms"] / 1e3)
-                 for s in spans) / ours.traced
+                 for s in spans) / max(ours.traced, 1)
     ranks = world.gather({"waited_s": waited, "in_flight_s": flight, "hidden_s": hidden,       # and every wait,
                           "comm_s_by_kind": mine["comm_seconds_per_iter_by_kind"],         # to see where it went
                           "pair_per_step": own, "cpu_s_per_step": mine["own_cpu_s"] / args.iters}, root=0)
