@@ -124,7 +124,8 @@ def worker(argv: list) -> None:
                  for s in spans) / max(ours.traced, 1)
     ranks = world.gather({"waited_s": waited, "in_flight_s": flight, "hidden_s": hidden,       # and every wait,
                           "comm_s_by_kind": mine["comm_seconds_per_iter_by_kind"],         # to see where it went
-                          "pair_per_step": own, "cpu_s_per_step": mine["own_cpu_s"] / args.iters}, root=0)
+                          "pair_per_step": own, "cpu_s_per_step": mine["own_cpu_s"] / args.iters,
+                          "page_faults_per_step": mine["page_faults_per_iter"]}, root=0)
     from benchmark import sgemm_gflops
     gflops = world.gather(sgemm_gflops(1024, 1024, 1024, np.dtype(args.dtype), reps=5), root=0)
     if world.Get_rank() == 0:
