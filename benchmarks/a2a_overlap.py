@@ -4,6 +4,7 @@ simulated cluster beside the planner. Needs root (the cluster's namespaces).
 
     python benchmarks/a2a_overlap.py                          # the scaled InfiniBand rate and a quarter of it
     python benchmarks/a2a_overlap.py --layout pp1 --rates 1 --iters 2 --warmup 1 --traced 1    # a smoke run
+    python benchmarks/a2a_overlap.py --layout pp1 --moe-expert-hidden 4096 --predict-only    # the planner only
     mpiexec -n 4 python benchmarks/a2a_overlap.py --worker --pipeline-parallel-size 2 \\
         --data-parallel-size 2 --expert-parallel-size 2 --num-experts 4 ...        # one node, no cluster
 
@@ -28,6 +29,19 @@ in flight. The planner's share, with the tiers fitted on the cluster
 all-to-all time of plan/a2a_overlap.py. The machine is shared: each figure is a
 median of --iters steps, and --rounds repeats the whole to read the noise band,
 paired and unpaired taking turns at going first.
+
+What can be hidden at all: a step is no shorter than the bytes its rank sends across
+hosts take at the fitted beta (the link's time), so of the unpaired step's all-to-all
+wait A at most (unpaired step - link's time) / A can be hidden, by any pairing (the
+rows' "bound"). Per token and MoE block a rank sends k (1 - 1/ep) rows of d floats in
+each of its four all-to-alls (dispatch, combine and their backwards), 16 d bytes here,
+and computes 12 (k + s) d H FLOPs in the experts (H their hidden width, s shared) and
+24 d^2 + 12 T d in attention; dp's all-reduce moves attention's and the shared experts'
+4 d^2 + 2 s d H elements a block once a step, whatever the tokens. Wide experts add
+compute at no all-to-all cost; a wide d adds both, and all-reduce bytes as d^2. The
+shape flags (--d-model, --moe-expert-hidden, --seq-len, --n-layers, --micro-batch-size,
+--microbatches) choose the model, and --predict-only prints the planner's share and the
+bound for it, on a given fit and speed, without the cluster.
 """
 
 import argparse
@@ -43,15 +57,23 @@ from numpitron.runtime import configure_process  # noqa: E402
 
 configure_process(sys.argv)
 
-MODEL = ["--n-layers", "4", "--n-heads", "4", "--d-model", "128", "--seq-len", "64", "--num-experts", "4",
-         "--moe-top-k", "2", "--moe-shared-experts", "1"]
+SHAPE = {"d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 64, "moe_expert_hidden": 0,
+         "micro_batch_size": 4, "microbatches": 8}     # the default; --d-model etc. change it
+EXPERTS = ["--num-experts", "4", "--moe-top-k", "2", "--moe-shared-experts", "1"]
 LAYOUTS = {                    # name: (mesh, ranks)
     "pp2": (["--pipeline-parallel-size", "2", "--data-parallel-size", "2", "--expert-parallel-size", "2",
              "--pipeline-schedule", "dualpipev"], 4),
     "pp1": (["--pipeline-parallel-size", "1", "--data-parallel-size", "2", "--expert-parallel-size", "2",
              "--pipeline-schedule", "1f1b"], 2),
 }
-BATCH = ["--micro-batch-size", "4", "--global-batch-size", "64"]          # m = 8 per dp rank: 7 pairs at pp = 1
+DP = 2                                  # both layouts' data-parallel size
+
+
+def model_flags(args) -> list:
+    """The training flags of the model and batch --d-model etc. choose (--microbatches: m
+    a dp rank; m = 8 gives 7 pairs at pp = 1)."""
+    shape = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in SHAPE if name != "microbatches"]
+    return [*shape, *EXPERTS, f"--global-batch-size={args.micro_batch_size * args.microbatches * DP}"]
 
 
 def worker(argv: list) -> None:
@@ -67,14 +89,22 @@ def worker(argv: list) -> None:
     ours, rest = p.parse_known_args(argv)
     args = parse_args(rest)
     world = MPI.COMM_WORLD
+    phases = [("started", time.perf_counter())]          # where a run's wall time goes
     trainer = trainer_from_args(args)
     tokens = np.random.default_rng(0).integers(0, VOCAB, N_TOKENS).astype(np.uint16)
+    phases.append(("build", time.perf_counter()))
     for _ in range(args.warmup):
         trainer.train_step(tokens)
+    phases.append(("warmup", time.perf_counter()))
     links = HostLinks(args.cluster_prefix, world)         # the bytes that crossed the simulated links
+    pair = getattr(trainer.run_schedule, "pair", None)               # the pair's own cost (chunk_pairing/pair.py)
+    counters = ("switching_s", "testing_s", "tests", "handovers")
+    before = {k: getattr(pair, k) for k in counters} if pair else {}
     links.start()
     mine = timed_steps(trainer, tokens, args.iters, world)
+    own = {k: (getattr(pair, k) - v) / args.iters for k, v in before.items()}
     crossed = links.stop(args.iters)
+    phases.append(("timed", time.perf_counter()))
     slowest = np.array(mine["step_s"])
     world.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
     waited = sum(v for k, v in mine["comm_seconds_per_iter_by_kind"].items() if k == "ep.all_to_allv")
@@ -87,23 +117,30 @@ def worker(argv: list) -> None:
         trainer.train_step(tokens)
     rec.active = False
     probe.uninstall()
+    phases.append(("traced", time.perf_counter()))
     spans = [s for s in rec.spans if s[2] == "ep in flight" and s[0] == "ep.all_to_allv"]
-    flight = sum((s[4] if s[4] is not None else s[3]) - s[3] for s in spans) / ours.traced
+    flight = sum((s[4] if s[4] is not None else s[3]) - s[3] for s in spans) / max(ours.traced, 1)
     hidden = sum(max(0.0, (s[4] if s[4] is not None else s[3]) - s[3] - s[5]["waited_ms"] / 1e3)
-                 for s in spans) / ours.traced
+                 for s in spans) / max(ours.traced, 1)
     ranks = world.gather({"waited_s": waited, "in_flight_s": flight, "hidden_s": hidden,       # and every wait,
-                          "comm_s_by_kind": mine["comm_seconds_per_iter_by_kind"]}, root=0)  # to see where it went
+                          "comm_s_by_kind": mine["comm_seconds_per_iter_by_kind"],         # to see where it went
+                          "pair_per_step": own, "cpu_s_per_step": mine["own_cpu_s"] / args.iters,
+                          "page_faults_per_step": mine["page_faults_per_iter"]}, root=0)
     from benchmark import sgemm_gflops
     gflops = world.gather(sgemm_gflops(1024, 1024, 1024, np.dtype(args.dtype), reps=5), root=0)
     if world.Get_rank() == 0:
         print(json.dumps({"ms_median": 1e3 * float(np.median(slowest)), "per_rank": ranks, **crossed,
                           "sgemm_gflops_per_rank": float(np.mean(gflops)),
-                          "paired": type(trainer.run_schedule).__name__ == "PairedSchedule"}))
+                          "paired": type(trainer.run_schedule).__name__ == "PairedSchedule",
+                          "phases_s": {name: t - t0 for (_, t0), (name, t) in zip(phases, phases[1:])}}))
 
 
 def planned(flags: list, device, fits: dict, gflops: float, ranks: int) -> dict:
     """The planner's all-to-all terms per stage, on the fitted tiers at the measured speed
-    (cluster_layouts.at_speed and plan_step, for `ranks` rather than their 4)."""
+    (cluster_layouts.at_speed and plan_step, for `ranks` rather than their 4), paired and
+    unpaired; and the bound. A step cannot be shorter than the bytes its rank sends across
+    hosts take at the fitted beta (link_s), so of the unpaired step's all-to-all time A no
+    pairing hides more than (unpaired step - link_s) / A."""
     from numpitron.cli import configs_from_args
     from numpitron.plan.__main__ import layout_of, parser
     from numpitron.plan.predict import plan
@@ -114,10 +151,17 @@ def planned(flags: list, device, fits: dict, gflops: float, ranks: int) -> dict:
     scaled = replace(tiers, peak_flops=tiers.peak_flops * speed, memory_bandwidth=tiers.memory_bandwidth * speed,
                      matmul_curve=tuple((size, rate * speed) for size, rate in tiers.matmul_curve),
                      exp_time=tiers.exp_time / speed, call_time=tiers.call_time / speed)
-    model, parallel, train = configs_from_args(parser().parse_args(flags))
-    result = plan(model, parallel, train, layout_of(parser().parse_args(flags), ranks, model, parallel, train), scaled)
-    return {"step_ms": 1e3 * result["step_s"],
-            "stages": [{k: s["all_to_all"][k] for k in ("all_to_all", "hidden", "pairs")} for s in result["stages"]]}
+    results = []
+    for overlap in ("--moe-a2a-overlap", "--no-moe-a2a-overlap"):
+        args = parser().parse_args(flags + [overlap])
+        model, parallel, train = configs_from_args(args)
+        results.append(plan(model, parallel, train, layout_of(args, ranks, model, parallel, train), scaled))
+    on, off = results
+    link_s = [s["tiers"].get("inter", {"bytes": 0.0})["bytes"] / fits["beta_inter_bytes_s"] for s in on["stages"]]
+    return {"step_ms": 1e3 * on["step_s"], "unpaired_step_ms": 1e3 * off["step_s"],
+            "stages": [{**{k: s["all_to_all"][k] for k in ("all_to_all", "hidden", "pairs")}, "link_s": t,
+                        "bound": (off["step_s"] - t) / s["all_to_all"]["all_to_all"]}
+                       for s, t in zip(on["stages"], link_s)]}
 
 
 def at_rate(args, cpu, multiple: float, infiniband: float, intra: float, mesh: list, ranks: int) -> list:
@@ -136,11 +180,12 @@ def at_rate(args, cpu, multiple: float, infiniband: float, intra: float, mesh: l
             start = time.time()
             out = cl.cluster("run", "-n", str(ranks), "--", sys.executable, __file__, "--worker", "--warmup",
                              str(args.warmup), "--iters", str(args.iters), "--traced", str(args.traced),
-                             "--cluster-prefix", args.prefix, *MODEL, *mesh, *BATCH, overlap, prefix=args.prefix)
+                             "--cluster-prefix", args.prefix, *model_flags(args), *mesh, overlap, prefix=args.prefix)
             runs[overlap] = {**json.loads(out.strip().splitlines()[-1]), "wall_s": time.time() - start}
         on, off = runs["--moe-a2a-overlap"], runs["--no-moe-a2a-overlap"]
         waited_off = max(r["waited_s"] for r in off["per_rank"])
-        plan = planned(MODEL + mesh + BATCH + ["--moe-a2a-overlap"], cpu, fits, on["sgemm_gflops_per_rank"], ranks)
+        plan = planned(model_flags(args) + mesh, cpu, fits, on["sgemm_gflops_per_rank"], ranks)
+        link_s = max(off.get("host_link_payload_bytes_per_iter", [0])) / beta_inter    # the measured bound's floor
         row = {"layout": args.layout, "inter_multiple": multiple, "inter_mbit_s": 8 * inter / 1e6, "round": round_,
                **fits, "paired_ms": on["ms_median"], "unpaired_ms": off["ms_median"],
                "a2a_waited_unpaired_ms": 1e3 * waited_off,
@@ -149,15 +194,34 @@ def at_rate(args, cpu, multiple: float, infiniband: float, intra: float, mesh: l
                "hidden_share_from_trace": [r["hidden_s"] / r["in_flight_s"] if r["in_flight_s"] else None
                                            for r in on["per_rank"]],
                "hidden_share_planned": [s["hidden"] / s["all_to_all"] for s in plan["stages"]],
+               "hidden_share_bound": (off["ms_median"] / 1e3 - link_s) / waited_off if waited_off else None,
+               "hidden_share_bound_planned": [s["bound"] for s in plan["stages"]],
                "planned_step_ms": plan["step_ms"], "runs": runs, "planned": plan}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("runs", "planned")}), flush=True)
     return rows
 
 
+def predict(args, cpu, mesh: list, ranks: int) -> None:
+    """--predict-only: the planner's figures at each rate for the given link fit and speed,
+    without the cluster, to choose a model before measuring it."""
+    alpha, beta = (float(x) for x in args.fit.split(","))
+    for multiple in (float(r) for r in args.rates.split(",")):
+        fits = {"per_host": args.hosts_of, "alpha_inter_s": alpha * 1e-6, "beta_inter_bytes_s": multiple * beta * 1e6,
+                "alpha_intra_s": 0.0, "beta_intra_bytes_s": cpu.intra_bandwidth}
+        plan = planned(model_flags(args) + mesh, cpu, fits, args.gflops, ranks)
+        for i, s in enumerate(plan["stages"]):
+            print(f"x{multiple:g}, stage {i}: planned step {plan['step_ms']:.0f} ms paired, "
+                  f"{plan['unpaired_step_ms']:.0f} unpaired; all-to-all {1e3 * s['all_to_all']:.0f} ms, "
+                  f"{s['pairs']} pairs hide {s['hidden'] / s['all_to_all']:.2f} of it; the link's bytes take "
+                  f"{1e3 * s['link_s']:.0f} ms, so at most {s['bound']:.2f} can be hidden")
+
+
 def main():
+    if "--worker" in sys.argv[1:]:                  # the training flags go to the worker as they are
+        return worker([a for a in sys.argv[1:] if a != "--worker"])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker", action="store_true", help="run one rank's part (under mpiexec, training flags)")
     p.add_argument("--layout", default="pp2", choices=sorted(LAYOUTS), help="pp2: DualPipeV on 4 ranks; pp1: "
                    "combined 1F1B on 2 ranks, a core each")
     p.add_argument("--rates", default="1,0.25", help="inter-host rates, multiples of the scaled InfiniBand")
@@ -168,12 +232,20 @@ def main():
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--prefix", default="npt-a2a-")
     p.add_argument("--out", default=None, help="write every row to this JSON")
-    args, rest = p.parse_known_args()
-    if args.worker:
-        return worker(rest)
-    import cluster_layouts as cl
+    for name, value in SHAPE.items():               # the model's shape: training's flags, but --microbatches
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=value,
+                       help="micro-batches a dp rank" if name == "microbatches" else None)
+    p.add_argument("--predict-only", action="store_true", help="print the planner's share and the bound, no cluster")
+    p.add_argument("--fit", default="77,8.29", help="with --predict-only: the inter-host alpha (us) and beta (MB/s "
+                   "a rank) at the scaled rate, as fitted on the cluster (benchmarks/README.md)")
+    p.add_argument("--gflops", type=float, default=95.0, help="with --predict-only: each rank's sgemm GFLOP/s, "
+                   "as the run measures it (88 to 101 in the pp1 runs)")
+    args = p.parse_args()
     from numpitron.plan.devices import load_device
     cpu = load_device("this-machine")
+    if args.predict_only:
+        return predict(args, cpu, *LAYOUTS[args.layout])
+    import cluster_layouts as cl
     intra, infiniband = cl.scaled_rates(cpu.peak_flops)
     rows, (mesh, ranks) = [], LAYOUTS[args.layout]
     if ranks // args.hosts_of < 2:
@@ -187,10 +259,11 @@ def main():
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
     for r in rows:
         trace = [round(x, 2) for x in r["hidden_share_from_trace"] if x is not None]
-        steps = r["hidden_share_from_steps"]
+        steps, bound = r["hidden_share_from_steps"], r["hidden_share_bound"]
         print(f"{r['inter_mbit_s']:.1f} Mbit/s: paired {r['paired_ms']:.0f} ms, unpaired {r['unpaired_ms']:.0f} ms; "
               f"hidden share from steps {steps if steps is None else round(steps, 2)}, from the trace (per rank) {trace}, "
-              f"planned (per stage) {[round(x, 2) for x in r['hidden_share_planned']]}")
+              f"planned (per stage) {[round(x, 2) for x in r['hidden_share_planned']]}; at most "
+              f"{bound if bound is None else round(bound, 2)} hideable (the link's bytes at the fitted beta)")
 
 
 if __name__ == "__main__":

@@ -74,16 +74,19 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3       # from glibc's <malloc.h>
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8       # from glibc's <malloc.h>
 
 
 def keep_freed_memory() -> bool:
     """Pin glibc's mmap and trim thresholds (32 MiB, 1 GiB), so that freed buffers
     stay in the heap for the next step. Both at once: setting either one turns off
-    glibc's dynamic adjustment of both. False where it does not apply (not glibc)."""
+    glibc's dynamic adjustment of both. And one arena for every thread: a paired chunk's
+    new thread (chunk_pairing/pair.py) would get an arena whose freed memory glibc gives
+    back, to fault in again at the next pair. False where it does not apply (not glibc)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+                    and libc.mallopt(M_ARENA_MAX, 1))
     except (OSError, AttributeError, TypeError):
         return False
 

@@ -38,6 +38,9 @@ class ChunkPair:
         self.in_flight = []       # (comm, pending): all-to-alls of the chunk not running
         self.held, self.since = [0.0, 0.0], [0.0, 0.0]     # seconds each chunk held the turn
         self.handovers = 0        # how often a chunk gave its turn away (tests read it)
+        # The pair's own cost, read by benchmarks/a2a_overlap.py: the seconds no chunk held
+        # the turn (the threads' start, the hand-overs, the join), and the tests' seconds.
+        self.switching_s, self.testing_s, self.tests = 0.0, 0.0, 0
 
     def meanwhile(self, comm, pending) -> None:
         """A chunk's all-to-all has started and it is about to wait: the other chunk
@@ -53,8 +56,12 @@ class ChunkPair:
 
     def progress(self) -> None:
         """Test the all-to-alls in flight of the chunk not running, so MPI moves them on."""
-        for comm, pending in self.in_flight:
-            comm.test([pending])
+        if self.in_flight:
+            start = time.perf_counter()
+            for comm, pending in self.in_flight:
+                comm.test([pending])
+            self.testing_s += time.perf_counter() - start
+            self.tests += len(self.in_flight)
 
     def _give_turn(self, me: int, to: int) -> None:
         with self.turn:
@@ -83,6 +90,7 @@ class ChunkPair:
                 self.alive[i] = False
                 self._give_turn(i, 1 - i)
 
+        start = time.perf_counter()
         self.alive, self.running, self.held = [True, True], 0, [0.0, 0.0]
         threads = [threading.Thread(target=chunk, args=(i, work), name=f"paired chunk {i + 1}")
                    for i, work in enumerate((first, second))]
@@ -91,6 +99,7 @@ class ChunkPair:
         for thread in threads:
             thread.join()
         self.slot.clear()
+        self.switching_s += time.perf_counter() - start - sum(self.held)
         if errors:
             raise errors[0]
         return results, self.held
