@@ -137,7 +137,7 @@ def worker(argv: list) -> None:
 
 def planned(flags: list, device, fits: dict, gflops: float, ranks: int) -> dict:
     """The planner's all-to-all terms per stage, on the fitted tiers at the measured speed
-    (cluster_layouts.at_speed and plan_step, for `ranks` rather than their 4), paired and
+    (cluster_prediction.at_speed and plan_step, for `ranks` rather than their 4), paired and
     unpaired; and the bound. A step cannot be shorter than the bytes its rank sends across
     hosts take at the fitted beta (link_s), so of the unpaired step's all-to-all time A no
     pairing hides more than (unpaired step - link_s) / A."""

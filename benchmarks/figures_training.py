@@ -142,7 +142,7 @@ def throughput_table(results: dict) -> list[str]:
 
 def memory(plt) -> dict:
     """Bytes per rank for ZeRO stages 0-3 at dp = 2 and 4, measured by real runs (the
-    optimizers' `memory_bytes`; tests/test_plan.py checks the planner against them)."""
+    optimizers' `memory_bytes`; tests/test_plan_counts.py checks the planner against them)."""
     sizes = {}
     for dp in (2, 4):
         for zero in (0, 1, 2, 3):

@@ -34,7 +34,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import cluster_layouts  # noqa: E402
-from cluster_layouts import BATCH, cluster, link_fit, measure, plan_step, scaled_rates  # noqa: E402
+from cluster_layouts import BATCH, cluster, link_fit, measure, scaled_rates  # noqa: E402
+from cluster_prediction import plan_step  # noqa: E402
 
 from numpitron.cluster import control  # noqa: E402
 from numpitron.plan.devices import load_device  # noqa: E402

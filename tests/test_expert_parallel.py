@@ -12,8 +12,8 @@ from numpitron.checkpoint import load_checkpoint, save_checkpoint
 from numpitron.distributed.topology import Topology
 from numpitron.experts.moe import MixtureOfExperts
 from tests.harness import (TINY_FLAGS, assert_on_every_rank, gathered, check_mesh, error_lines, identical_over, logged_losses,
-                           make_store, make_trainer, moe_layer_traffic, rand_x, run_script, tiny_model, tiny_train,
-                           train_steps)
+                           make_trainer, run_script, tiny_model, tiny_train, train_steps)
+from tests.layer_checks import make_store, moe_layer_traffic, rand_x
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
 MOE = dict(num_experts=4, moe_top_k=2)

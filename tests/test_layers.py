@@ -28,7 +28,7 @@ from numpitron.nn.layernorm import LayerNorm
 from numpitron.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
 from numpitron.transformer.mlp import ParallelMLP
 from numpitron.nn.recompute import Recomputed
-from tests.harness import assert_fd, check_layer, make_store, rand_x
+from tests.layer_checks import assert_fd, check_layer, make_store, rand_x
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
 B, T, C, H = 2, 5, 8, 2          # (B, T, C): the shape rand_x draws unless told

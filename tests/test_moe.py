@@ -14,7 +14,8 @@ from numpitron.experts.local_experts import LocalExperts
 from numpitron.experts.moe import MixtureOfExperts
 from numpitron.experts.router import TopKRouter, capacity
 from numpitron.pipeline_parallel.executor import forward_only
-from tests.harness import assert_fd, check_layer, make_store, make_trainer, rand_x, tiny_model, tiny_tokens, tiny_train
+from tests.harness import make_trainer, tiny_model, tiny_tokens, tiny_train
+from tests.layer_checks import assert_fd, check_layer, make_store, rand_x
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
 SERIAL = Topology.serial()

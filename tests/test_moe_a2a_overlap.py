@@ -10,7 +10,8 @@ import pytest
 from numpitron.build import build_stage
 from numpitron.distributed.topology import Topology
 from numpitron.experts.moe import MixtureOfExperts
-from tests.harness import (assert_on_every_rank, check_mesh, make_store, moe_layer_traffic, rand_x, tiny_model)
+from tests.harness import assert_on_every_rank, check_mesh, tiny_model
+from tests.layer_checks import make_store, moe_layer_traffic, rand_x
 
 SHARED = dict(num_experts=4, moe_top_k=2, moe_shared_experts=2, moe_expert_hidden=24)
 B, T, C, E = 2, 8, 8, 4

@@ -9,7 +9,8 @@ from numpitron.config import ModelConfig
 from numpitron.distributed.topology import Topology
 from numpitron.errors import UserError
 from numpitron.experts.router import TopKRouter, update_balance_bias
-from tests.harness import check_mesh, identical_over, make_store, make_trainer, rand_x, tiny_model, tiny_train
+from tests.harness import check_mesh, identical_over, make_trainer, tiny_model, tiny_train
+from tests.layer_checks import make_store, rand_x
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
 SERIAL = Topology.serial()

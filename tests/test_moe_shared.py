@@ -10,7 +10,8 @@ from numpitron.layout import check_layout
 from numpitron.distributed.topology import Mesh, Topology
 from numpitron.errors import UserError
 from numpitron.experts.moe import MixtureOfExperts
-from tests.harness import check_layer, check_mesh, make_store, make_trainer, rand_x, tiny_model, tiny_train
+from tests.harness import check_mesh, make_trainer, tiny_model, tiny_train
+from tests.layer_checks import check_layer, make_store, rand_x
 
 SERIAL = Topology.serial()
 B, T, C, E = 2, 8, 8, 4

@@ -13,8 +13,9 @@ from numpitron.checkpoint import load_checkpoint, save_checkpoint
 from numpitron.distributed.topology import Topology
 from numpitron.context_parallel.zigzag import local_positions
 from numpitron.experts.moe import MixtureOfExperts
-from tests.harness import (assert_on_every_rank, gathered, check_mesh, identical_over, make_store, make_trainer, mesh_id,
-                           moe_layer_traffic, rand_x, tiny_model, tiny_train, train_steps)
+from tests.harness import (assert_on_every_rank, gathered, check_mesh, identical_over, make_trainer, mesh_id, tiny_model,
+                           tiny_train, train_steps)
+from tests.layer_checks import make_store, moe_layer_traffic, rand_x
 from tests.tolerances import EQUIV_RTOL_FLOAT64, rel_diff
 
 MOE = dict(num_experts=4, moe_top_k=2)

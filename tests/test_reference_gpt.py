@@ -10,7 +10,8 @@ import numpy as np
 
 from numpitron import reference
 from tests.conftest import REPO
-from tests.harness import PYTHON, TINY_FLAGS, numeric_grad, train_script
+from tests.harness import PYTHON, TINY_FLAGS, train_script
+from tests.layer_checks import numeric_grad
 from tests.tolerances import EQUIV_RTOL_FLOAT64, FD_ATOL, FD_RTOL, rel_diff
 
 # Two micro-batches of 4 per step (accumulation); eval at 5 and at the end (6).

@@ -1,7 +1,7 @@
 """ZeRO stages 2 and 3 (data_parallel/zero.py, data_parallel/zero3.py): the same training as one
 process in float64, with accumulation, tp, pp (stage 2), cp, sequence parallelism,
 recomputation and a clip that bites; memory and traffic as docs/09-zero-2-and-3.md derives them
-(the byte-exact comparison with the planner's accounting is in test_plan.py)."""
+(the byte-exact comparison with the planner's accounting is in test_plan_counts.py)."""
 
 import numpy as np
 import pytest

@@ -3,7 +3,7 @@ passes (one NumPy kernel over the array it works on), its exponentials, and its 
 calls on per-row or per-parameter vectors. Change a kernel, change its line here.
 
 The planner prices these counts (plan/kernels.py, docs/15-planning-a-run.md);
-tests/test_plan.py checks the exponentials against a real step.
+tests/test_plan_time_model.py checks the exponentials against a real step.
 """
 
 # (forward, backward) element-wise passes of each piece, over the array it works on.

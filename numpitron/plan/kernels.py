@@ -15,7 +15,7 @@ Four kinds of work:
 The per-kernel counts are the kernels' own table (nn/kernel_counts.py: the fused
 bias-GELU of one exp per element, causal query tiles), so that a change to a kernel
 changes one line beside it; this module only adds them up over a step.
-tests/test_plan.py checks the exponentials against a real step and the softmax groups
+tests/test_plan_time_model.py checks the exponentials against a real step and the softmax groups
 against the probabilities the layer keeps.
 """
 
