@@ -75,8 +75,8 @@ class TwoWay:
 def crossing(kind: str, counted: float, ranks: int, hosts: int, per_host: int) -> dict:
     """{"crossing", "inside": bytes the busiest rank sends, "link": bytes host 0's link
     carries both ways, "both_ways": the part of "crossing" its card sends while receiving
-    as much, "message": the largest message across} for one collective kind ("group.op") over `ranks` ranks spread
-    evenly over `hosts` hosts of `per_host` ranks, `counted` the ring formula's bytes per
+    as much, "message": the largest message across} for one collective kind ("group.op")
+    over `ranks` ranks spread evenly over `hosts` hosts of `per_host` ranks, `counted` the ring formula's bytes per
     rank (2 (g-1)/g of the buffer for an all-reduce, (g-1) blocks for an all-gather)."""
     op, q = kind.split(".")[-1], ranks // hosts          # q: the group's ranks on one host
     groups = per_host // q                               # groups with ranks on host 0
@@ -139,10 +139,10 @@ def crossings(m: Method, dp: Method, compute_s: float, alpha: float, beta_inside
     def m_wins(beta):
         return wins(m, dp, beta, compute_s, alpha, beta_inside, two_way)
     grid = [low * (high / low) ** (i / points) for i in range(points + 1)]
+    won = [m_wins(beta) for beta in grid]                     # each rate priced once
     found = []
-    for a, b in zip(grid, grid[1:]):
-        if m_wins(a) != m_wins(b):
-            below = m_wins(a)
+    for a, b, below, above in zip(grid, grid[1:], won, won[1:]):
+        if below != above:
             for _ in range(100):
                 mid = math.sqrt(a * b)
                 a, b = (mid, b) if m_wins(mid) == below else (a, mid)
