@@ -5,7 +5,7 @@ simulated cluster beside the planner. Needs root (the cluster's namespaces).
     python benchmarks/a2a_overlap.py                          # the scaled InfiniBand rate and a quarter of it
     python benchmarks/a2a_overlap.py --layout pp1 --rates 1 --iters 2 --warmup 1 --traced 1    # a smoke run
     python benchmarks/a2a_overlap.py --layout pp1 --moe-expert-hidden 4096 --predict-only    # the planner only
-    mpiexec -n 4 python benchmarks/a2a_overlap.py --worker --pipeline-parallel-size 2 \\
+    mpiexec -n 4 python benchmarks/a2a_overlap_worker.py --pipeline-parallel-size 2 \\
         --data-parallel-size 2 --expert-parallel-size 2 --num-experts 4 ...        # one node, no cluster
 
 Every block a mixture of 4 experts (top 2, one shared), dp = ep = 2, on one of two
@@ -18,17 +18,18 @@ a host of its own (--hosts-of 1), and the experts' all-to-alls cross the inter-h
 link. The links are benchmarks/cluster_layouts.py's: A100 links scaled by this CPU's
 FLOP/s over the A100's.
 
-At each rate the same run goes with --moe-a2a-overlap (paired) and without. Each gives:
-the step time (the slowest rank's median, benchmark.py's way); the seconds the ranks
-waited in the experts' all-to-alls (CommStats); and, from a trace of the last steps
-(trace/comm_probe.py's wrappers), each all-to-all's time in flight and the part the
-rank did not wait for (hidden). The hidden share is measured twice: from the step times,
+At each rate one run (a2a_overlap_worker.py) takes paired steps (--moe-a2a-overlap),
+unpaired ones (what --no-moe-a2a-overlap builds: every all-to-all blocking) and
+layer-only ones (each MoE layer's own filler, no pair) in turn, so the CPU's drift
+falls on all three. Each kind gives: the step time (the slowest rank's
+median); the seconds the ranks waited in the experts' all-to-alls (CommStats); and, from
+a trace of paired steps (trace/comm_probe.py's wrappers), each all-to-all's time in
+flight and the part the rank did not wait for (hidden). The hidden share is measured twice: from the step times,
 (unpaired - paired) / unpaired all-to-all wait, and from the paired trace, hidden /
 in flight. The planner's share, with the tiers fitted on the cluster
 (cluster_layouts.link_fit) and the compute speed the run measured: hidden /
-all-to-all time of plan/a2a_overlap.py. The machine is shared: each figure is a
-median of --iters steps, and --rounds repeats the whole to read the noise band,
-paired and unpaired taking turns at going first.
+all-to-all time of plan/a2a_overlap.py. Each figure is a median of --iters steps of its
+kind, and --rounds repeats the whole (a cluster run each) to read the noise band.
 
 What can be hidden at all: a step is no shorter than the bytes its rank sends across
 hosts take at the fitted beta (the link's time), so of the unpaired step's all-to-all
@@ -73,66 +74,8 @@ def model_flags(args) -> list:
     """The training flags of the model and batch --d-model etc. choose (--microbatches: m
     a dp rank; m = 8 gives 7 pairs at pp = 1)."""
     shape = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in SHAPE if name != "microbatches"]
-    return [*shape, *EXPERTS, f"--global-batch-size={args.micro_batch_size * args.microbatches * DP}"]
-
-
-def worker(argv: list) -> None:
-    """On every rank: warm up, time --iters steps, trace --traced more; rank 0 prints one JSON."""
-    import numpy as np
-    from mpi4py import MPI
-
-    from benchmark import N_TOKENS, VOCAB, HostLinks, parse_args, timed_steps, trainer_from_args
-    from numpitron.trace.comm_probe import CommProbe
-    from numpitron.trace.recorder import Recorder
-    p = argparse.ArgumentParser()
-    p.add_argument("--traced", type=int, default=2)
-    ours, rest = p.parse_known_args(argv)
-    args = parse_args(rest)
-    world = MPI.COMM_WORLD
-    phases = [("started", time.perf_counter())]          # where a run's wall time goes
-    trainer = trainer_from_args(args)
-    tokens = np.random.default_rng(0).integers(0, VOCAB, N_TOKENS).astype(np.uint16)
-    phases.append(("build", time.perf_counter()))
-    for _ in range(args.warmup):
-        trainer.train_step(tokens)
-    phases.append(("warmup", time.perf_counter()))
-    links = HostLinks(args.cluster_prefix, world)         # the bytes that crossed the simulated links
-    pair = getattr(trainer.run_schedule, "pair", None)               # the pair's own cost (chunk_pairing/pair.py)
-    counters = ("switching_s", "testing_s", "tests", "handovers")
-    before = {k: getattr(pair, k) for k in counters} if pair else {}
-    links.start()
-    mine = timed_steps(trainer, tokens, args.iters, world)
-    own = {k: (getattr(pair, k) - v) / args.iters for k, v in before.items()}
-    crossed = links.stop(args.iters)
-    phases.append(("timed", time.perf_counter()))
-    slowest = np.array(mine["step_s"])
-    world.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
-    waited = sum(v for k, v in mine["comm_seconds_per_iter_by_kind"].items() if k == "ep.all_to_allv")
-    rec = Recorder()
-    probe = CommProbe(rec, trainer.topo)
-    probe.install()
-    rec.active = True
-    for _ in range(ours.traced):
-        world.Barrier()
-        trainer.train_step(tokens)
-    rec.active = False
-    probe.uninstall()
-    phases.append(("traced", time.perf_counter()))
-    spans = [s for s in rec.spans if s[2] == "ep in flight" and s[0] == "ep.all_to_allv"]
-    flight = sum((s[4] if s[4] is not None else s[3]) - s[3] for s in spans) / max(ours.traced, 1)
-    hidden = sum(max(0.0, (s[4] if s[4] is not None else s[3]) - s[3] - s[5]["waited_ms"] / 1e3)
-                 for s in spans) / max(ours.traced, 1)
-    ranks = world.gather({"waited_s": waited, "in_flight_s": flight, "hidden_s": hidden,       # and every wait,
-                          "comm_s_by_kind": mine["comm_seconds_per_iter_by_kind"],         # to see where it went
-                          "pair_per_step": own, "cpu_s_per_step": mine["own_cpu_s"] / args.iters,
-                          "page_faults_per_step": mine["page_faults_per_iter"]}, root=0)
-    from benchmark import sgemm_gflops
-    gflops = world.gather(sgemm_gflops(1024, 1024, 1024, np.dtype(args.dtype), reps=5), root=0)
-    if world.Get_rank() == 0:
-        print(json.dumps({"ms_median": 1e3 * float(np.median(slowest)), "per_rank": ranks, **crossed,
-                          "sgemm_gflops_per_rank": float(np.mean(gflops)),
-                          "paired": type(trainer.run_schedule).__name__ == "PairedSchedule",
-                          "phases_s": {name: t - t0 for (_, t0), (name, t) in zip(phases, phases[1:])}}))
+    return [*shape, *EXPERTS, f"--global-batch-size={args.micro_batch_size * args.microbatches * DP}",
+            *([] if args.dp_overlap else ["--no-overlap-grad-reduce"])]
 
 
 def planned(flags: list, device, fits: dict, gflops: float, ranks: int) -> dict:
@@ -175,30 +118,34 @@ def at_rate(args, cpu, multiple: float, infiniband: float, intra: float, mesh: l
     fits = {"per_host": per_host, "alpha_inter_s": alpha_inter, "beta_inter_bytes_s": beta_inter,
             "alpha_intra_s": alpha_intra, "beta_intra_bytes_s": beta_intra}
     for round_ in range(args.rounds):
-        runs = {}
-        for overlap in ("--moe-a2a-overlap", "--no-moe-a2a-overlap")[::1 if round_ % 2 == 0 else -1]:
-            start = time.time()
-            out = cl.cluster("run", "-n", str(ranks), "--", sys.executable, __file__, "--worker", "--warmup",
-                             str(args.warmup), "--iters", str(args.iters), "--traced", str(args.traced),
-                             "--cluster-prefix", args.prefix, *model_flags(args), *mesh, overlap, prefix=args.prefix)
-            runs[overlap] = {**json.loads(out.strip().splitlines()[-1]), "wall_s": time.time() - start}
-        on, off = runs["--moe-a2a-overlap"], runs["--no-moe-a2a-overlap"]
+        start = time.time()
+        out = cl.cluster("run", "-n", str(ranks), "--", sys.executable, str(HERE / "a2a_overlap_worker.py"),
+                         "--warmup", str(args.warmup), "--iters", str(args.iters), "--traced", str(args.traced),
+                         "--cluster-prefix", args.prefix, *model_flags(args), *mesh, "--moe-a2a-overlap",
+                         prefix=args.prefix)
+        run = {**json.loads(out.strip().splitlines()[-1]), "wall_s": time.time() - start}
+        on, off, layer = run["paired"], run["unpaired"], run["layer-only"]
         waited_off = max(r["waited_s"] for r in off["per_rank"])
-        plan = planned(model_flags(args) + mesh, cpu, fits, on["sgemm_gflops_per_rank"], ranks)
-        link_s = max(off.get("host_link_payload_bytes_per_iter", [0])) / beta_inter    # the measured bound's floor
-        row = {"layout": args.layout, "inter_multiple": multiple, "inter_mbit_s": 8 * inter / 1e6, "round": round_,
-               **fits, "paired_ms": on["ms_median"], "unpaired_ms": off["ms_median"],
+        plan = planned(model_flags(args) + mesh, cpu, fits, run["sgemm_gflops_per_rank"], ranks)
+        link_s = max(run.get("host_link_payload_bytes_per_iter", [0])) / beta_inter    # the measured bound's floor
+        row = {"layout": args.layout, "dp_overlap": args.dp_overlap, "inter_multiple": multiple,
+               "inter_mbit_s": 8 * inter / 1e6, "round": round_, **fits,
+               "paired_ms": on["ms_median"], "unpaired_ms": off["ms_median"],
                "a2a_waited_unpaired_ms": 1e3 * waited_off,
+               "a2a_waited_paired_ms": 1e3 * max(r["waited_s"] for r in on["per_rank"]),
                "hidden_share_from_steps": (off["ms_median"] - on["ms_median"]) / (1e3 * waited_off)
                if waited_off else None,
+               "layer_only_ms": layer["ms_median"],            # the shared experts' filler alone, no pair
+               "hidden_share_layer_only": (off["ms_median"] - layer["ms_median"]) / (1e3 * waited_off)
+               if waited_off else None,
                "hidden_share_from_trace": [r["hidden_s"] / r["in_flight_s"] if r["in_flight_s"] else None
-                                           for r in on["per_rank"]],
+                                           for r in run["paired_trace"]],
                "hidden_share_planned": [s["hidden"] / s["all_to_all"] for s in plan["stages"]],
                "hidden_share_bound": (off["ms_median"] / 1e3 - link_s) / waited_off if waited_off else None,
                "hidden_share_bound_planned": [s["bound"] for s in plan["stages"]],
-               "planned_step_ms": plan["step_ms"], "runs": runs, "planned": plan}
+               "planned_step_ms": plan["step_ms"], "run": run, "planned": plan}
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("runs", "planned")}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("run", "planned")}), flush=True)
     return rows
 
 
@@ -218,10 +165,7 @@ def predict(args, cpu, mesh: list, ranks: int) -> None:
 
 
 def main():
-    if "--worker" in sys.argv[1:]:                  # the training flags go to the worker as they are
-        return worker([a for a in sys.argv[1:] if a != "--worker"])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", action="store_true", help="run one rank's part (under mpiexec, training flags)")
     p.add_argument("--layout", default="pp2", choices=sorted(LAYOUTS), help="pp2: DualPipeV on 4 ranks; pp1: "
                    "combined 1F1B on 2 ranks, a core each")
     p.add_argument("--rates", default="1,0.25", help="inter-host rates, multiples of the scaled InfiniBand")
@@ -235,6 +179,8 @@ def main():
     for name, value in SHAPE.items():               # the model's shape: training's flags, but --microbatches
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=value,
                        help="micro-batches a dp rank" if name == "microbatches" else None)
+    p.add_argument("--dp-overlap", action="store_true", help="reduce dp's gradients during the last backward "
+                   "(default: after it, so the all-to-alls never queue behind a bucket)")
     p.add_argument("--predict-only", action="store_true", help="print the planner's share and the bound, no cluster")
     p.add_argument("--fit", default="77,8.29", help="with --predict-only: the inter-host alpha (us) and beta (MB/s "
                    "a rank) at the scaled rate, as fitted on the cluster (benchmarks/README.md)")
@@ -260,8 +206,9 @@ def main():
     for r in rows:
         trace = [round(x, 2) for x in r["hidden_share_from_trace"] if x is not None]
         steps, bound = r["hidden_share_from_steps"], r["hidden_share_bound"]
-        print(f"{r['inter_mbit_s']:.1f} Mbit/s: paired {r['paired_ms']:.0f} ms, unpaired {r['unpaired_ms']:.0f} ms; "
-              f"hidden share from steps {steps if steps is None else round(steps, 2)}, from the trace (per rank) {trace}, "
+        print(f"{r['inter_mbit_s']:.1f} Mbit/s: paired {r['paired_ms']:.0f} ms, layer-only {r['layer_only_ms']:.0f} ms, "
+              f"unpaired {r['unpaired_ms']:.0f} ms; hidden share from steps {steps if steps is None else round(steps, 2)} "
+              f"(layer-only {r['hidden_share_layer_only']:.2f}), from the trace (per rank) {trace}, "
               f"planned (per stage) {[round(x, 2) for x in r['hidden_share_planned']]}; at most "
               f"{bound if bound is None else round(bound, 2)} hideable (the link's bytes at the fitted beta)")
 
