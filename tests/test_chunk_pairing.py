@@ -61,6 +61,32 @@ def test_a_pair_hands_over_at_every_wait_and_one_chunk_runs_at_a_time():
     assert pair.handovers == 4
 
 
+def test_before_an_all_to_all_starts_the_other_chunks_are_finished():
+    """settle: the all-to-alls of the chunk not running are waited for, so their last
+    messages go before the new rows; with none in flight (outside a pair) nothing is."""
+    class Comm:
+        def __init__(self):
+            self.waited = []
+
+        def wait(self, pending):
+            self.waited.append(pending)
+
+    pair, comm, seen = ChunkPair(), Comm(), {}
+    pair.settle()
+    assert comm.waited == []
+
+    def forward():
+        pair.meanwhile(comm, "F's dispatch")            # hands over while its rows travel
+        seen["in flight after"] = list(pair.in_flight)
+
+    def backward():
+        pair.settle()                                   # about to start an all-to-all of its own
+        seen["waited before starting"] = list(comm.waited)
+    pair.progress = lambda: None
+    pair.run(forward, backward)
+    assert seen == {"waited before starting": ["F's dispatch"], "in flight after": []}
+
+
 def test_an_error_in_a_chunk_reaches_the_caller():
     def bad():
         raise ValueError("inside a chunk")

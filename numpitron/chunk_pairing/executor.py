@@ -87,6 +87,7 @@ class PairedSchedule:
         self.pairs_run = 0
         for layer in model.experts.layers:
             layer.dispatcher.meanwhile = self.pair.meanwhile
+            layer.dispatcher.before_start = self.pair.settle
         model.residency = Progressing(model.residency, self.pair)
 
     def __call__(self, model, topo, microbatches, schedule: str, loss_weight: float, grads_ready=None):

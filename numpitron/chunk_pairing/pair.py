@@ -20,7 +20,10 @@ leaves the layers as they are.)
 
 MPI moves a non-blocking collective only inside MPI calls, so while one chunk computes,
 the other's all-to-alls in flight are tested between its layers (`progress`), as the
-data-parallel buckets are between a backward's layers.
+data-parallel buckets are between a backward's layers. And before a chunk starts an
+all-to-all, the other's are finished (`settle`): an all-to-all started after them, before
+their wait, would hold them until its own rows had crossed too (measured on the cluster:
+benchmarks/a2a_completion_probe.py), and the chunk resuming would wait for both.
 """
 
 import threading
@@ -53,6 +56,12 @@ class ChunkPair:
         self.progress()
         self._give_turn(me, 1 - me)
         self.in_flight.remove((comm, pending))
+
+    def settle(self) -> None:
+        """Before this chunk starts an all-to-all: finish the other chunk's (their rows
+        have most likely crossed while this one computed)."""
+        for comm, pending in self.in_flight:
+            comm.wait(pending)
 
     def progress(self) -> None:
         """Test the all-to-alls in flight of the chunk not running, so MPI moves them on."""

@@ -16,7 +16,8 @@ like a combine. With ep = 1 both are copies.
 Each can also be started and finished apart (`start_dispatch`, `start_combine`: an
 `Ialltoallv`), so that the layer computes something else while the rows travel
 (experts/moe.py), and, before each wait, `meanwhile` lets a paired chunk compute
-(chunk_pairing/; outside a pair it does nothing).
+(chunk_pairing/; outside a pair it does nothing); before each start, `before_start`
+lets the pair finish the other chunk's all-to-alls first.
 """
 
 from typing import NamedTuple
@@ -38,6 +39,7 @@ class AllToAllDispatcher:
     def __init__(self, ep_comm, num_experts: int, overlap: bool = True):
         """overlap=False: a started all-to-all is waited for at once (blocking, as before)."""
         self.ep, self.overlap, self.meanwhile = ep_comm, overlap, lambda comm, pending: None
+        self.before_start = lambda: None
         self.local_experts = shard_size(num_experts, ep_comm.size)
 
     def plan(self, rows_per_expert: np.ndarray) -> Plan:
@@ -60,6 +62,7 @@ class AllToAllDispatcher:
 
     def start_dispatch(self, rows: np.ndarray, plan: Plan):
         """`dispatch`, started: returns the function that waits for it and returns its rows."""
+        self.before_start()
         received, pending = self.ep.iall_to_allv(np.ascontiguousarray(rows), plan.send_rows, plan.recv_rows)
         return self._finish(lambda: self._arrived(pending, received)[plan.order])
 
@@ -67,6 +70,7 @@ class AllToAllDispatcher:
         """`combine`, started: returns the function that waits for it and returns its rows."""
         by_source = np.empty_like(rows)
         by_source[plan.order] = rows
+        self.before_start()
         received, pending = self.ep.iall_to_allv(by_source, plan.recv_rows, plan.send_rows)
         return self._finish(lambda: self._arrived(pending, received))
 
