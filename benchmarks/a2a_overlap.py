@@ -53,10 +53,7 @@ from dataclasses import replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
-from numpitron.runtime import configure_process  # noqa: E402
-
-configure_process(sys.argv)
+sys.path[:0] = [str(HERE.parent), str(HERE)]        # the ranks (a2a_overlap_worker.py) configure their own process
 
 SHAPE = {"d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 64, "moe_expert_hidden": 0,
          "micro_batch_size": 4, "microbatches": 8}     # the default; --d-model etc. change it
